@@ -1,0 +1,32 @@
+# Two commands from a bare checkout: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-all demo lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(PY) scripts/predict.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_cg tests scripts
+
+clean:
+	rm -rf $(VENV) outputs multirun
