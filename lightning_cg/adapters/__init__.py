@@ -1,0 +1,53 @@
+"""GraphableEncoder adapters, and the choice of one for a tower."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_cg.encoder import GraphableEncoder
+
+ADAPTERS = ("packed", "batched")
+#: Module prefixes of libraries whose towers are called as tower(x [B, ...]).
+BATCH_FIRST_LIBRARIES = ("torchvision.models", "timm.")
+
+
+def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
+    """The adapter that makes ``tower`` graphable.
+
+    Args:
+        tower: the vision tower.
+        name: ``packed`` (``tower(pixel_patches, grid_thw)``), ``batched``
+            (``tower(x)``, items are batch rows) or None to choose by type: a tower
+            that implements GraphableEncoder itself is used as it is.
+
+    Raises:
+        ValueError: for an unknown name, or a tower no adapter fits.
+    """
+    if name is not None and name not in ADAPTERS:
+        raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)} or None; got {name!r}")
+    if name is None:
+        if isinstance(tower, GraphableEncoder):
+            return tower
+        name = _adapter_name_by_type(tower)
+    if name == "packed":
+        from lightning_cg.adapters.packed import PackedEncoderAdapter
+
+        return PackedEncoderAdapter(tower)
+    from lightning_cg.adapters.batched import BatchedEncoderAdapter
+
+    return BatchedEncoderAdapter(tower)
+
+
+def _adapter_name_by_type(tower: nn.Module) -> str:
+    from lightning_cg.models.packed_vit import PackedViT
+
+    if isinstance(tower, PackedViT):
+        return "packed"
+    if type(tower).__module__.startswith(BATCH_FIRST_LIBRARIES):
+        return "batched"
+    raise ValueError(
+        f"no adapter fits a tower of type {type(tower).__qualname__}: pass adapter='batched' "
+        "for a tower called as tower(x) with items as batch rows, adapter='packed' for "
+        "tower(pixel_patches, grid_thw), or implement lightning_cg.encoder.GraphableEncoder "
+        "on the tower (graph_config, item_specs, capture_inputs, graph_forward, ...; see README)"
+    )

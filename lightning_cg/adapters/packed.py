@@ -1,0 +1,314 @@
+"""GraphableEncoder for packed towers: ``tower(pixel_patches [T, C*p*p], grid_thw [N, 3])``.
+
+Items of any resolution are packed patch after patch (the Qwen2-VL convention of
+:class:`~lightning_cg.models.packed_vit.PackedViT`). Two paths:
+
+- ``local``: every item at its native resolution, one attention sequence per frame;
+  an item costs ``t * h * w / merge**2`` tokens.
+- ``global``: a fixed low-resolution view of each item's first frame, costing
+  ``(global_grid / merge)**2`` tokens, or none when the tower's global view is off.
+
+Each path's graph holds ``pixel_patches``, ``cu_seqlens`` and the rotary tables.
+``cu_seqlens`` is padded by repeating its last offset, so padding patches belong
+to no sequence and cost no attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+
+LOCAL_PATH = "local"
+GLOBAL_PATH = "global"
+PATHS = (LOCAL_PATH, GLOBAL_PATH)
+#: Largest local token budget when the user sets none.
+DEFAULT_MAX_TOKEN_BUDGET = 4096
+
+#: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
+GridTHW = torch.Tensor | Sequence[Sequence[int]]
+
+_CALL = inspect.Signature(
+    [
+        inspect.Parameter("pixel_patches", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("grid_thw", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ]
+)
+
+
+class PackedTowerConfig(Protocol):
+    """The sizes the adapter reads from ``tower.config`` (a ``PackedViTConfig``)."""
+
+    in_channels: int
+    patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    global_view: bool
+    global_grid: int
+
+
+class PackedTower(Protocol):
+    """What the adapter calls on a packed tower (``PackedViT`` implements it).
+
+    The adapter never calls the tower itself (``tower.forward`` is what the
+    callback replaces), only these methods.
+    """
+
+    config: PackedTowerConfig
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def build_metadata(
+        self, grid_thw: GridTHW, device: torch.device
+    ) -> dict[str, torch.Tensor]: ...
+
+    def forward_packed(
+        self,
+        pixel_patches: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        rotary_cos: torch.Tensor,
+        rotary_sin: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor: ...
+
+    def global_view_patches(
+        self, pixel_patches: torch.Tensor, grid_thw: GridTHW
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def encode_local(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor: ...
+
+    def encode_global(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor: ...
+
+
+@dataclass
+class PackedInputs:
+    """One call of a packed tower.
+
+    Attributes:
+        pixel_patches: ``(sum(t*h*w), C*p*p)`` patches, item after item.
+        grid_thw: ``(N, 3)`` integer tensor of frames, patch rows, patch columns.
+        grid: ``grid_thw`` on the host, read once per call outside any graph.
+    """
+
+    pixel_patches: torch.Tensor
+    grid_thw: torch.Tensor
+    grid: list[tuple[int, int, int]]
+
+
+class PackedEncoderAdapter:
+    """Graph a packed tower on a ``local`` and a ``global`` token ladder.
+
+    Args:
+        tower: a module called as ``tower(pixel_patches, grid_thw)`` that exposes
+            :class:`PackedTower` (e.g. ``PackedViT``).
+        max_frames_per_item: most frames one item may have (1 for images only).
+        min_token_budget: smallest local budget worth a graph.
+        max_token_budget: largest local budget by default; None is
+            ``max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)``.
+
+    Example:
+        >>> from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
+        >>> tower = PackedViT(PackedViTConfig(hidden_size=64, depth=2, num_heads=4,
+        ...                                   patch_size=4, out_hidden_size=32))
+        >>> adapter = PackedEncoderAdapter(tower)
+        >>> inputs = adapter.inputs_from_call(patchify([torch.randn(3, 16, 16)], 4), {})
+        >>> adapter.eager_forward("local", inputs).shape
+        torch.Size([4, 32])
+    """
+
+    def __init__(
+        self,
+        tower: PackedTower,
+        max_frames_per_item: int = 1,
+        min_token_budget: int = 64,
+        max_token_budget: int | None = None,
+    ) -> None:
+        if max_frames_per_item < 1:
+            raise ValueError(f"max_frames_per_item must be >= 1, got {max_frames_per_item}")
+        if min_token_budget < 1:
+            raise ValueError(f"min_token_budget must be >= 1, got {min_token_budget}")
+        if max_token_budget is not None and max_token_budget < min_token_budget:
+            raise ValueError(
+                f"max_token_budget ({max_token_budget}) must be None or >= "
+                f"min_token_budget ({min_token_budget})"
+            )
+        self.tower = tower
+        self.max_frames_per_item = max_frames_per_item
+        self.min_token_budget = min_token_budget
+        self.max_token_budget = max_token_budget or max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)
+        config = tower.config
+        self._merge_area = config.spatial_merge_size**2
+        self._patch_dim = config.in_channels * config.patch_size**2
+        self._view_tokens = (config.global_grid // config.spatial_merge_size) ** 2
+        self._global_tokens = self._view_tokens if config.global_view else 0
+
+    def graph_config(self) -> EncoderGraphConfig:
+        """Paths ``local`` and ``global``; ``global`` may be empty when the view is off."""
+        global_path = PathConfig(
+            min_token_budget=self._view_tokens, allow_zero_tokens=not self._global_tokens
+        )
+        return EncoderGraphConfig(
+            modalities=("image", "video"),
+            paths={LOCAL_PATH: PathConfig(self.min_token_budget), GLOBAL_PATH: global_path},
+            padding_rules={"cu_seqlens": "repeat_last"},
+            max_frames_per_item=self.max_frames_per_item,
+            out_hidden_size=self.tower.config.out_hidden_size,
+        )
+
+    def token_budget_range(self, path: str) -> tuple[int, int]:
+        """``local``: ``(min_token_budget, max_token_budget)``; ``global``: from one
+        item's view up to the local maximum."""
+        self._check_path(path)
+        if path == LOCAL_PATH:
+            return self.min_token_budget, self.max_token_budget
+        return self._view_tokens, max(self._view_tokens, self.max_token_budget)
+
+    def inputs_from_call(self, args: tuple, kwargs: dict) -> PackedInputs:
+        """Check a ``tower(pixel_patches, grid_thw)`` call and read its grid on the host.
+
+        Raises:
+            TypeError: the call does not bind to ``(pixel_patches, grid_thw)``.
+            ValueError: an argument has the wrong type, shape or size; the message
+                names it.
+        """
+        bound = _CALL.bind(*args, **kwargs).arguments
+        pixel_patches, grid_thw = bound["pixel_patches"], bound["grid_thw"]
+        if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point():
+            raise ValueError(f"grid_thw must be an integer tensor, got {_describe(grid_thw)}")
+        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+            raise ValueError(f"grid_thw must have shape [N, 3], got {list(grid_thw.shape)}")
+        if not isinstance(pixel_patches, torch.Tensor) or not pixel_patches.is_floating_point():
+            raise ValueError(
+                f"pixel_patches must be a floating-point tensor, got {_describe(pixel_patches)}"
+            )
+        grid = [(t, h, w) for t, h, w in grid_thw.tolist()]
+        self._check_grid(grid)
+        rows = sum(t * h * w for t, h, w in grid)
+        if pixel_patches.dim() != 2 or tuple(pixel_patches.shape) != (rows, self._patch_dim):
+            raise ValueError(
+                f"pixel_patches must have shape [{rows}, {self._patch_dim}] (sum of t*h*w "
+                f"over grid_thw, C*p*p), got {list(pixel_patches.shape)}"
+            )
+        return PackedInputs(pixel_patches, grid_thw, grid)
+
+    def item_specs(self, inputs: PackedInputs) -> list[ItemSpec]:
+        """Patches, tokens per path and frames of each item."""
+        specs = []
+        for t, h, w in inputs.grid:
+            local = t * h * w // self._merge_area
+            specs.append(
+                ItemSpec(
+                    input_size=t * h * w,
+                    output_tokens=local + self._global_tokens,
+                    path_tokens={LOCAL_PATH: local, GLOBAL_PATH: self._global_tokens},
+                    num_frames=t,
+                )
+            )
+        return specs
+
+    def select_items(self, inputs: PackedInputs, indices: Sequence[int]) -> PackedInputs:
+        """The patches and grid rows of the items at ``indices``, in that order."""
+        offsets = [0, *itertools.accumulate(t * h * w for t, h, w in inputs.grid)]
+        pieces = [inputs.pixel_patches[offsets[i] : offsets[i + 1]] for i in indices]
+        return PackedInputs(
+            pixel_patches=torch.cat([inputs.pixel_patches[:0], *pieces]),
+            grid_thw=inputs.grid_thw[list(indices)],
+            grid=[inputs.grid[i] for i in indices],
+        )
+
+    def graph_signature(self, inputs: PackedInputs) -> Hashable:
+        """Patch dtype and device; resolution is what the budgets absorb."""
+        return inputs.pixel_patches.dtype, inputs.pixel_patches.device
+
+    def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
+        """Buffers for ``token_budget * merge**2`` patches and ``max_frames`` frames.
+
+        The dummy batch is one frame covering every patch, the rest empty frames.
+
+        Returns:
+            ``pixel_patches`` ``(budget * merge**2, C*p*p)`` of the signature's dtype,
+            ``cu_seqlens`` int32 ``(max_frames + 1,)``, ``rotary_cos`` and
+            ``rotary_sin`` float32 ``(budget * merge**2, head_dim // 2)``.
+        """
+        self._check_path(spec.path)
+        dtype, device = spec.signature
+        merge = self.tower.config.spatial_merge_size
+        rows = spec.token_budget * self._merge_area
+        metadata = self.tower.build_metadata([(1, merge, rows // merge)], device)
+        cu_seqlens = torch.full((spec.max_frames + 1,), rows, dtype=torch.int32, device=device)
+        cu_seqlens[0] = 0
+        return {
+            "pixel_patches": torch.zeros(rows, self._patch_dim, dtype=dtype, device=device),
+            "cu_seqlens": cu_seqlens,
+            "rotary_cos": metadata["rotary_cos"],
+            "rotary_sin": metadata["rotary_sin"],
+        }
+
+    def replay_inputs(self, path: str, inputs: PackedInputs) -> dict[str, torch.Tensor]:
+        """The path's patches (the items' own, or their global views) and metadata."""
+        self._check_path(path)
+        patches, grid = inputs.pixel_patches, inputs.grid
+        if path == GLOBAL_PATH:
+            patches, grid = self.tower.global_view_patches(patches, grid)
+        return {"pixel_patches": patches, **self.tower.build_metadata(grid, patches.device)}
+
+    def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``tower.forward_packed`` on the buffers; every frame fits in all their rows."""
+        self._check_path(path)
+        patches = buffers["pixel_patches"]
+        return self.tower.forward_packed(
+            patches,
+            buffers["cu_seqlens"],
+            buffers["rotary_cos"],
+            buffers["rotary_sin"],
+            max_seqlen=patches.shape[0],
+        )
+
+    def eager_forward(self, path: str, inputs: PackedInputs) -> torch.Tensor:
+        """The path on exactly the items' patches, in item order."""
+        self._check_path(path)
+        encode = self.tower.encode_local if path == LOCAL_PATH else self.tower.encode_global
+        return encode(inputs.pixel_patches, inputs.grid)
+
+    def postprocess(
+        self, outputs: list[dict[str, torch.Tensor]], inputs: PackedInputs
+    ) -> torch.Tensor:
+        """Each item's local rows then its global rows, item after item, as the tower's forward.
+
+        Returns:
+            ``(sum(tokens per item), out_hidden_size)``, a fresh tensor.
+        """
+        rows = [output[path] for output in outputs for path in PATHS if path in output]
+        if rows:
+            return torch.cat(rows)
+        return torch.empty(
+            (0, self.tower.config.out_hidden_size),
+            dtype=next(self.tower.parameters()).dtype,
+            device=inputs.pixel_patches.device,
+        )
+
+    def _check_grid(self, grid: list[tuple[int, int, int]]) -> None:
+        merge = self.tower.config.spatial_merge_size
+        for index, (t, h, w) in enumerate(grid):
+            if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+                raise ValueError(
+                    f"grid_thw[{index}] is {[t, h, w]}; frames must be >= 1 and patch rows "
+                    f"and columns positive multiples of spatial_merge_size ({merge})"
+                )
+
+    def _check_path(self, path: str) -> None:
+        if path not in PATHS:
+            raise ValueError(f"unknown encoder path {path!r}; allowed: {', '.join(PATHS)}")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return type(value).__name__

@@ -1,0 +1,283 @@
+r"""
+CUDA Graph Callback
+^^^^^^^^^^^^^^^^^^^
+
+Swaps a vision tower's forward for budget-batched CUDA graph replay during
+validation and prediction, and puts the original back for training.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_cg.adapters import adapter_for
+from lightning_cg.dispatcher import GraphMode
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager, module_fingerprint
+from lightning_cg.progress import CaptureProgress
+
+STAGES = ("validate", "predict")
+BUDGET_FIELDS = ("min_budget", "max_budget", "budgets", "ladder", "ratio", "align")
+#: Strategies that shard parameters: a graph would capture one shard's addresses.
+REFUSED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
+
+class CUDAGraphCallback(Callback):
+    r"""Replays a vision tower through CUDA graphs at token budgets in validation and prediction.
+
+    On ``*_start`` of each configured stage the tower found at ``module`` (a
+    dotted attribute path of the LightningModule) gets a forward that packs the
+    items of every call into sub-batches, replays the graph of the smallest
+    fitting budget and falls back to eager where none fits. On ``*_end``,
+    ``teardown`` and exceptions the original forward comes back, so training
+    never runs through a graph. Graphs are kept across validation epochs while the
+    tower's parameters keep their storage, dtype and device (optimizers update in
+    place), and recaptured when any of these change.
+
+    Args:
+        module: dotted path of the tower inside the LightningModule.
+        mode: ``none``, ``full``, ``full_uniform_only``, ``piecewise`` or
+            ``full_and_piecewise`` (see README).
+        budgets: budget choice for every path: keys ``min_budget``,
+            ``max_budget``, ``budgets`` (an explicit ladder), ``ladder``
+            (``pow2`` or ``geometric``), ``ratio``, ``align``.
+        paths: per encoder path, the same keys as ``budgets``, overriding them.
+        max_items_per_batch: most items in one graph; None derives it from the budgets.
+        max_frames_per_batch: most attention sequences (video frames) in one graph.
+        stages: the stages that run through graphs: ``validate`` and/or ``predict``.
+        capture_during_sanity_check: also use graphs for the sanity-check batches.
+        keep_graphs: keep graphs between runs; False frees them after each run.
+        verify: compare the first replay of every graph with eager; raise on a mismatch.
+        adapter: ``packed`` or ``batched``; None picks one by the tower's type.
+        packing: ``next_fit`` (greedy) or ``min_padding``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[CUDAGraphCallback(module="vision_tower", mode="full")])
+        trainer.predict(model, datamodule)
+    """
+
+    def __init__(
+        self,
+        module: str = "vision_tower",
+        mode: str = "full",
+        budgets: Mapping[str, Any] | None = None,
+        paths: Mapping[str, Mapping[str, Any]] | None = None,
+        max_items_per_batch: int | None = None,
+        max_frames_per_batch: int | None = None,
+        stages: Sequence[str] = STAGES,
+        capture_during_sanity_check: bool = False,
+        keep_graphs: bool = True,
+        verify: bool = False,
+        adapter: str | None = None,
+        packing: str = "next_fit",
+    ) -> None:
+        if not module or not all(part.isidentifier() for part in module.split(".")):
+            raise ValueError(f"module must be a dotted attribute path like 'model.visual'; got {module!r}")
+        unknown_stages = sorted(set(stages) - set(STAGES))
+        if unknown_stages:
+            raise ValueError(f"stages has {unknown_stages}; allowed: {', '.join(STAGES)}")
+        for name, value in (("max_items_per_batch", max_items_per_batch), ("max_frames_per_batch", max_frames_per_batch)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
+        self.module = module
+        self.mode = GraphMode.parse(mode)
+        self.budgets = _budget_config("budgets", budgets)
+        self.path_budgets = {
+            path: _budget_config(f"paths.{path}", {**(budgets or {}), **dict(choice)})
+            for path, choice in (paths or {}).items()
+        }
+        self.max_items_per_batch = max_items_per_batch
+        self.max_frames_per_batch = max_frames_per_batch
+        self.stages = tuple(stages)
+        self.capture_during_sanity_check = capture_during_sanity_check
+        self.keep_graphs = keep_graphs
+        self.verify = verify
+        self.adapter = adapter
+        self.packing = packing
+        self.manager: EncoderGraphManager | None = None
+        #: Stats of the last validation or predict run, summed over ranks.
+        self.last_stats: dict[str, float] = {}
+        self._tower: nn.Module | None = None
+        self._fingerprint: tuple | None = None
+        self._swapped: dict | None = None
+        self._told_cpu = False
+
+    # ------------------------------------------------------------ set-up
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = type(trainer.strategy).__name__
+        if strategy in REFUSED_STRATEGIES:
+            raise RuntimeError(
+                f"CUDAGraphCallback does not support {strategy}: it shards parameters, and a "
+                "graph captured on one shard's addresses cannot replay. Use strategy='ddp' or "
+                "'auto', or remove the callback."
+            )
+        tower = resolve_module(pl_module, self.module)
+        if _is_compiled(tower):
+            rank_zero_warn(
+                f"CUDAGraphCallback: {self.module!r} is compiled with torch.compile; "
+                "leaving it alone (use mode='reduce-overhead' or drop torch.compile)."
+            )
+            return
+        if self.manager is None or tower is not self._tower:
+            self._tower = tower
+            self.manager = self._build_manager(tower)
+
+    def _build_manager(self, tower: nn.Module) -> EncoderGraphManager:
+        return EncoderGraphManager(
+            adapter_for(tower, self.adapter),
+            mode=self.mode,
+            budgets=self.budgets,
+            path_budgets=self.path_budgets,
+            max_items=self.max_items_per_batch,
+            max_frames_per_batch=self.max_frames_per_batch,
+            packing=self.packing,
+            verify=self.verify,
+            progress=CaptureProgress(),
+        )
+
+    # -------------------------------------------------------- stage hooks
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking and not self.capture_during_sanity_check:
+            return
+        if "validate" in self.stages:
+            self._swap_in(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_run(trainer, "validate")
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "predict" in self.stages:
+            self._swap_in(trainer)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_run(trainer, "predict")
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self.restore()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.restore()
+
+    # ------------------------------------------------------------ swapping
+
+    def _swap_in(self, trainer: pl.Trainer) -> None:
+        if self.manager is None or self._tower is None or self._swapped is not None:
+            return
+        self._recapture_if_changed()
+        self._tell_once_without_cuda()
+        self.manager.reset_stats()
+        tower, manager = self._tower, self.manager
+        encoder = manager.encoder
+
+        def graphed_forward(*args: Any, **kwargs: Any) -> Any:
+            return manager.execute(encoder.inputs_from_call(args, kwargs))
+
+        # Remember an instance-level forward (another wrapper) to put it back as it was.
+        self._swapped = {"had_instance_forward": "forward" in tower.__dict__, "forward": tower.__dict__.get("forward")}
+        tower.forward = graphed_forward
+
+    def restore(self) -> None:
+        """Put the tower's original forward back (safe to call at any time)."""
+        if self._swapped is None or self._tower is None:
+            return
+        if self._swapped["had_instance_forward"]:
+            self._tower.forward = self._swapped["forward"]
+        else:
+            del self._tower.forward
+        self._swapped = None
+
+    def _recapture_if_changed(self) -> None:
+        fingerprint = module_fingerprint(self._tower)
+        if self._fingerprint is not None and fingerprint != self._fingerprint:
+            rank_zero_info("CUDAGraphCallback: tower parameters moved; recapturing graphs.")
+            self.manager.clear()
+        self._fingerprint = fingerprint
+
+    def _tell_once_without_cuda(self) -> None:
+        if self._told_cpu or next(self._tower.parameters(), torch.empty(0)).is_cuda:
+            return
+        rank_zero_info(
+            "CUDAGraphCallback: CUDA graphs need a CUDA device; the tower is on the CPU, so "
+            "batches run the same budget path (pack, pad, scatter) without capture."
+        )
+        self._told_cpu = True
+
+    # ---------------------------------------------------------------- stats
+
+    def _finish_run(self, trainer: pl.Trainer, stage: str) -> None:
+        if self._swapped is None:
+            return
+        self.restore()
+        self.last_stats = reduce_stats(trainer, self.manager.stats.as_dict())
+        metrics = {f"cudagraph/{name}": value for name, value in self.last_stats.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(
+            f"CUDAGraphCallback ({stage}): {int(self.last_stats['hits'])} graph replays, "
+            f"{int(self.last_stats['misses'])} eager runs, hit rate {self.last_stats['hit_rate']:.0%}, "
+            f"padding waste {self.last_stats['padding_waste']:.1%}, "
+            f"{int(self.last_stats['graphs'])} graphs captured in {self.last_stats['capture_seconds']:.2f} s"
+        )
+        if not self.keep_graphs:
+            self.manager.clear()
+            self._fingerprint = None
+
+
+def resolve_module(pl_module: nn.Module, path: str) -> nn.Module:
+    """The submodule at a dotted attribute path, with an error naming what is missing."""
+    try:
+        module = operator.attrgetter(path)(pl_module)
+    except AttributeError:
+        children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
+        raise ValueError(
+            f"module={path!r} does not exist on {type(pl_module).__name__}; its child modules: {children}"
+        ) from None
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module={path!r} is a {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def reduce_stats(trainer: pl.Trainer, stats: Mapping[str, float]) -> dict[str, float]:
+    """Counters summed over ranks, rates recomputed from the sums."""
+    counters = {name: value for name, value in stats.items() if name not in ("hit_rate", "padding_waste")}
+    totals = torch.tensor(list(counters.values()), dtype=torch.float64, device=trainer.strategy.root_device)
+    totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()
+    summed = dict(zip(counters, totals, strict=True))
+    runs = summed["hits"] + summed["misses"]
+    summed["hit_rate"] = summed["hits"] / runs if runs else 0.0
+    summed["padding_waste"] = summed["padded_tokens"] / summed["real_tokens"] if summed["real_tokens"] else 0.0
+    return summed
+
+
+def _budget_config(field: str, choice: Mapping[str, Any] | None) -> BudgetConfig:
+    choice = dict(choice or {})
+    unknown = sorted(set(choice) - set(BUDGET_FIELDS))
+    if unknown:
+        raise ValueError(f"{field} has unknown key(s) {unknown}; allowed: {', '.join(BUDGET_FIELDS)}")
+    if choice.get("budgets") is not None:
+        choice["budgets"] = [int(budget) for budget in choice["budgets"]]
+    return BudgetConfig(**choice)
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return hasattr(module, "_orig_mod")

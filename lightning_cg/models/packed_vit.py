@@ -1,0 +1,506 @@
+"""A variable-resolution ViT in the Qwen2-VL convention.
+
+Items (images ``[C, H, W]`` and videos ``[T, C, H, W]``) are cut into patches at
+their native size and packed into one ``(patches, C*p*p)`` tensor; ``grid_thw``
+holds each item's ``(frames, rows, cols)`` of patches. Every frame attends only
+to itself, positions come from 2D rotary embeddings, and a merger maps each
+``merge x merge`` window of patches to one output token.
+
+The forward is split so that a CUDA graph can be captured:
+:meth:`PackedViT.build_metadata` turns ``grid_thw`` into tensors on the host side,
+and :meth:`PackedViT.forward_packed` is the graphable body (no host syncs, no
+data-dependent shapes).
+
+Example:
+    >>> config = PackedViTConfig(hidden_size=64, depth=2, num_heads=4, patch_size=4,
+    ...                          out_hidden_size=32)
+    >>> patches, grid_thw = patchify([torch.randn(3, 16, 24)], config.patch_size)
+    >>> PackedViT(config)(patches, grid_thw).shape
+    torch.Size([6, 32])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch without variable-length flash attention
+    varlen_attn = None
+
+#: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
+GridTHW = torch.Tensor | Sequence[Sequence[int]]
+
+_ROPE_THETA = 10000.0
+_LAYER_NORM_EPS = 1e-6  # torchvision's, so its weights load unchanged
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PackedViTConfig:
+    """Sizes of a :class:`PackedViT`.
+
+    Attributes:
+        hidden_size: width of the transformer blocks.
+        depth: number of transformer blocks.
+        num_heads: attention heads; ``hidden_size / num_heads`` must be a multiple
+            of 4 (half of each head rotates by row, half by column).
+        patch_size: side of a square patch in pixels.
+        out_hidden_size: width of one output token (after the patch merger).
+        in_channels: channels of an input frame.
+        spatial_merge_size: side of the window of patches merged into one token.
+        mlp_ratio: MLP hidden width over ``hidden_size``.
+        global_view: also encode a fixed low-resolution view of each item's first
+            frame and append its tokens to the item's output.
+        global_grid: side, in patches, of the global view; a multiple of
+            ``spatial_merge_size``.
+    """
+
+    hidden_size: int
+    depth: int
+    num_heads: int
+    patch_size: int
+    out_hidden_size: int
+    in_channels: int = 3
+    spatial_merge_size: int = 2
+    mlp_ratio: float = 4.0
+    global_view: bool = False
+    global_grid: int = 16
+
+    def __post_init__(self) -> None:
+        for name in (
+            "hidden_size",
+            "depth",
+            "num_heads",
+            "patch_size",
+            "out_hidden_size",
+            "in_channels",
+            "spatial_merge_size",
+            "global_grid",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PackedViTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % (4 * self.num_heads):
+            raise ValueError(
+                f"PackedViTConfig.hidden_size ({self.hidden_size}) must be a multiple of "
+                f"4 * num_heads ({4 * self.num_heads}) for 2D rotary embeddings"
+            )
+        if self.global_grid % self.spatial_merge_size:
+            raise ValueError(
+                f"PackedViTConfig.global_grid ({self.global_grid}) must be a multiple of "
+                f"spatial_merge_size ({self.spatial_merge_size})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one row of ``pixel_patches``: ``in_channels * patch_size**2``."""
+        return self.in_channels * self.patch_size**2
+
+    @property
+    def mlp_hidden_size(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @property
+    def global_tokens(self) -> int:
+        """Output tokens of one item's global view (whether or not it is on)."""
+        return (self.global_grid // self.spatial_merge_size) ** 2
+
+
+def packed_vit_config(**overrides) -> PackedViTConfig:
+    """The Qwen2-VL-sized tower: 1280 wide, 32 blocks, patch 14, 1536-wide tokens."""
+    base = PackedViTConfig(
+        hidden_size=1280, depth=32, num_heads=16, patch_size=14, out_hidden_size=1536
+    )
+    return replace(base, **overrides)
+
+
+def packed_vit_small_config(**overrides) -> PackedViTConfig:
+    """A ViT-B/16-sized tower; :meth:`PackedViT.load_torchvision_vit` fills it from ``vit_b_16``."""
+    base = PackedViTConfig(
+        hidden_size=768, depth=12, num_heads=12, patch_size=16, out_hidden_size=768
+    )
+    return replace(base, **overrides)
+
+
+def patchify(
+    items: Sequence[torch.Tensor], patch_size: int, spatial_merge_size: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut images and videos into packed patches.
+
+    Rows go item after item, frame after frame, and within a frame window after
+    window (row-major) so that every ``merge x merge`` window is consecutive rows,
+    themselves row-major. A row is one patch flattened as ``(C, p, p)``.
+
+    Args:
+        items: images ``[C, H, W]`` and videos ``[T, C, H, W]``; ``H`` and ``W``
+            multiples of ``patch_size * spatial_merge_size``.
+        patch_size: side of a patch in pixels.
+        spatial_merge_size: side of a merge window in patches.
+
+    Returns:
+        ``pixel_patches`` ``(sum(t*h*w), C*p*p)`` and ``grid_thw``, a CPU
+        ``LongTensor`` ``(N, 3)`` of frames and patch rows and columns per item.
+    """
+    side = patch_size * spatial_merge_size
+    patches, grid = [], []
+    for index, item in enumerate(items):
+        frames = item[None] if item.dim() == 3 else item  # (T, C, H, W)
+        if frames.dim() != 4 or frames.shape[-2] % side or frames.shape[-1] % side:
+            raise ValueError(
+                f"items[{index}] has shape {tuple(item.shape)}; expected [C, H, W] or "
+                f"[T, C, H, W] with H and W multiples of {side}"
+            )
+        patches.append(_patchify_frames(frames, patch_size, spatial_merge_size))
+        t, _, height, width = frames.shape
+        grid.append((t, height // patch_size, width // patch_size))
+    return torch.cat(patches), torch.tensor(grid, dtype=torch.long).reshape(-1, 3)
+
+
+def tokens_per_item(grid_thw: GridTHW, config: PackedViTConfig) -> list[int]:
+    """Output rows of each item of :meth:`PackedViT.forward`, global view included."""
+    extra = config.global_tokens if config.global_view else 0
+    return [tokens + extra for tokens in _local_tokens(_as_grid(grid_thw), config)]
+
+
+def block_diagonal_mask(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """``(rows, rows)`` boolean mask: row i may attend row j iff both lie in one sequence.
+
+    Built on the device without host syncs. Rows past ``cu_seqlens[-1]`` (padding)
+    share one id of their own, so they attend only each other and never produce NaN;
+    empty sequences (repeated offsets) own no rows.
+    """
+    positions = torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    sequence_ids = torch.searchsorted(cu_seqlens[1:], positions, right=True)  # (rows,)
+    return sequence_ids[:, None] == sequence_ids[None, :]
+
+
+class PackedViT(nn.Module):
+    """Variable-resolution ViT over packed patches, with an optional global view.
+
+    Args:
+        config: the tower's sizes.
+    """
+
+    def __init__(self, config: PackedViTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = nn.Linear(config.patch_dim, config.hidden_size)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.depth))
+        self.merger = _PatchMerger(config)
+        self.apply(_init_weights)
+
+    def forward(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
+        """Encode packed items.
+
+        Args:
+            pixel_patches: ``(sum(t*h*w), C*p*p)`` from :func:`patchify`.
+            grid_thw: ``(N, 3)`` frames, patch rows and patch columns per item.
+
+        Returns:
+            ``(sum(tokens_per_item), out_hidden_size)``: per item, in item order, its
+            local tokens followed by its global tokens (when ``config.global_view``).
+        """
+        grid = _as_grid(grid_thw)
+        local = self.encode_local(pixel_patches, grid)
+        if not self.config.global_view:
+            return local
+        local_rows = local.split(_local_tokens(grid, self.config))
+        global_rows = self.encode_global(pixel_patches, grid).split(self.config.global_tokens)
+        return torch.cat([local[:0], *itertools.chain(*zip(local_rows, global_rows, strict=True))])
+
+    def encode_local(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
+        """The native-resolution path: ``(sum(t*h*w) / merge**2, out_hidden_size)``."""
+        return self._encode(pixel_patches, _as_grid(grid_thw))
+
+    def encode_global(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
+        """The global-view path: ``(N * config.global_tokens, out_hidden_size)``."""
+        patches, grid = self.global_view_patches(pixel_patches, grid_thw)
+        return self._encode(patches, _as_grid(grid))
+
+    def global_view_patches(
+        self, pixel_patches: torch.Tensor, grid_thw: GridTHW
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each item's first frame resized to ``global_grid x global_grid`` patches.
+
+        The frame is rebuilt from its patches, resized bilinearly (no antialias)
+        and cut again.
+
+        Returns:
+            ``patches`` ``(N * global_grid**2, C*p*p)`` and their ``grid_thw``, a
+            CPU ``LongTensor`` of ``(1, global_grid, global_grid)`` rows.
+        """
+        cfg = self.config
+        grid = _as_grid(grid_thw)
+        side = cfg.global_grid * cfg.patch_size
+        views = []
+        for start, (_, h, w) in zip(_patch_offsets(grid)[:-1], grid, strict=True):
+            frame = _unpatchify_frame(pixel_patches[start : start + h * w], h, w, cfg)  # (C, H, W)
+            resized = F.interpolate(
+                frame[None].float(), size=(side, side), mode="bilinear", antialias=False
+            )
+            views.append(
+                _patchify_frames(
+                    resized.to(pixel_patches.dtype), cfg.patch_size, cfg.spatial_merge_size
+                )
+            )
+        view_grid = torch.tensor([[1, cfg.global_grid, cfg.global_grid]] * len(grid))
+        return torch.cat([pixel_patches[:0], *views]), view_grid.reshape(-1, 3)
+
+    def build_metadata(self, grid_thw: GridTHW, device: torch.device) -> dict[str, torch.Tensor]:
+        """The attention and position tensors :meth:`forward_packed` reads.
+
+        Built outside any graph (it reads the grid on the host).
+
+        Returns:
+            ``cu_seqlens`` int32 ``(frames + 1,)``: one sequence per frame;
+            ``rotary_cos`` and ``rotary_sin`` float32 ``(patches, head_dim // 2)``.
+        """
+        grid = _as_grid(grid_thw)
+        frame_sizes = [h * w for t, h, w in grid for _ in range(t)]
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(frame_sizes)], dtype=torch.int32)
+        merge = self.config.spatial_merge_size
+        positions = torch.cat(
+            [torch.empty((0, 2), dtype=torch.long)]
+            + [_frame_positions(h, w, merge).repeat(t, 1) for t, h, w in grid]
+        )  # (T, 2) patch row and column
+        rotary_dim = self.config.head_dim // 2  # per axis
+        exponents = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
+        inv_freq = _ROPE_THETA**-exponents  # (head_dim // 4,)
+        angles = (positions.to(device)[..., None] * inv_freq).flatten(1)  # (T, head_dim // 2)
+        return {
+            "cu_seqlens": cu_seqlens.to(device),
+            "rotary_cos": angles.cos(),
+            "rotary_sin": angles.sin(),
+        }
+
+    def forward_packed(
+        self,
+        pixel_patches: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        rotary_cos: torch.Tensor,
+        rotary_sin: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        """The graphable body: packed patches and metadata to output tokens.
+
+        Rows past ``cu_seqlens[-1]`` are padding: they attend only each other and
+        their output rows are to be dropped. With variable-length flash attention
+        they cost no attention work.
+
+        Args:
+            pixel_patches: ``(T, C*p*p)``; ``T`` a multiple of ``merge**2``.
+            cu_seqlens: int32 ``(frames + 1,)`` frame offsets into the rows.
+            rotary_cos: float32 ``(T, head_dim // 2)``.
+            rotary_sin: float32 ``(T, head_dim // 2)``.
+            max_seqlen: an upper bound on the longest frame, as a Python int.
+
+        Returns:
+            ``(T / merge**2, out_hidden_size)``.
+        """
+        x = self.patch_embed(pixel_patches.to(self.patch_embed.weight.dtype))  # (T, D)
+        attend = _frame_attention(cu_seqlens, x.shape[0], max_seqlen, self._uses_varlen(x.device))
+        for block in self.blocks:
+            x = block(x, rotary_cos, rotary_sin, attend)
+        return self.merger(x)
+
+    def load_torchvision_vit(self, vit: nn.Module) -> None:
+        """Copy the patch embedding and blocks of a torchvision ``VisionTransformer``.
+
+        ``conv_proj`` becomes the patch embedding, each encoder layer a block and
+        ``encoder.ln`` the merger's norm; the class token, position embedding, head
+        and merger MLP are not used (positions here are rotary).
+
+        Raises:
+            ValueError: the ViT's sizes differ from this tower's config.
+        """
+        cfg = self.config
+        layers = list(vit.encoder.layers)
+        sizes = {
+            "hidden_dim": (vit.hidden_dim, cfg.hidden_size),
+            "num_layers": (len(layers), cfg.depth),
+            "num_heads": (layers[0].num_heads if layers else cfg.num_heads, cfg.num_heads),
+            "mlp_dim": (vit.mlp_dim, cfg.mlp_hidden_size),
+            "patch_size": (vit.patch_size, cfg.patch_size),
+            "in_channels": (vit.conv_proj.in_channels, cfg.in_channels),
+        }
+        mismatched = [
+            f"{name}={theirs} (needs {ours})"
+            for name, (theirs, ours) in sizes.items()
+            if theirs != ours
+        ]
+        if mismatched:
+            raise ValueError(
+                "torchvision VisionTransformer does not match PackedViTConfig: "
+                + ", ".join(mismatched)
+            )
+        conv = vit.conv_proj
+        self.patch_embed.load_state_dict({"weight": conv.weight.flatten(1), "bias": conv.bias})
+        for block, layer in zip(self.blocks, layers, strict=True):
+            attention = layer.self_attention
+            block.norm1.load_state_dict(layer.ln_1.state_dict())
+            block.attn.qkv.load_state_dict(
+                {"weight": attention.in_proj_weight, "bias": attention.in_proj_bias}
+            )
+            block.attn.proj.load_state_dict(attention.out_proj.state_dict())
+            block.norm2.load_state_dict(layer.ln_2.state_dict())
+            block.mlp[0].load_state_dict(layer.mlp[0].state_dict())
+            block.mlp[2].load_state_dict(layer.mlp[3].state_dict())
+        self.merger.norm.load_state_dict(vit.encoder.ln.state_dict())
+
+    def _encode(self, patches: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
+        metadata = self.build_metadata(grid, patches.device)
+        max_seqlen = max((h * w for _, h, w in grid), default=0)
+        return self.forward_packed(patches, **metadata, max_seqlen=max_seqlen)
+
+    def _uses_varlen(self, device: torch.device) -> bool:
+        if varlen_attn is None or device.type != "cuda":
+            return False
+        dtype = self.patch_embed.weight.dtype
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        head_dim = self.config.head_dim
+        return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: PackedViTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        q, k, v = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim).unbind(1)  # (T, H, hd)
+        out = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        return self.proj(out.reshape(rows, self.num_heads * self.head_dim))
+
+
+class _Block(nn.Module):
+    def __init__(self, config: PackedViTConfig) -> None:
+        super().__init__()
+        width = config.hidden_size
+        self.norm1 = nn.LayerNorm(width, eps=_LAYER_NORM_EPS)
+        self.attn = _Attention(config)
+        self.norm2 = nn.LayerNorm(width, eps=_LAYER_NORM_EPS)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, config.mlp_hidden_size),
+            nn.GELU(),
+            nn.Linear(config.mlp_hidden_size, width),
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, attend)
+        return x + self.mlp(self.norm2(x))
+
+
+class _PatchMerger(nn.Module):
+    """Norm, then each window's ``merge**2`` consecutive rows concatenated -> MLP."""
+
+    def __init__(self, config: PackedViTConfig) -> None:
+        super().__init__()
+        self.window_width = config.hidden_size * config.spatial_merge_size**2
+        self.norm = nn.LayerNorm(config.hidden_size, eps=_LAYER_NORM_EPS)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.window_width, self.window_width),
+            nn.GELU(),
+            nn.Linear(self.window_width, config.out_hidden_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(x).reshape(-1, self.window_width))  # (T / merge**2, out)
+
+
+def _frame_attention(
+    cu_seqlens: torch.Tensor, rows: int, max_seqlen: int, use_varlen: bool
+) -> Attend:
+    """Attention within each frame: ``q, k, v (T, H, hd) -> (T, H, hd)``."""
+    if use_varlen:
+        # Flash attention never writes rows past the last sequence; zero them so
+        # padding holds no stale memory.
+        inside = torch.arange(rows, device=cu_seqlens.device) < cu_seqlens[-1]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+            return torch.where(inside[:, None, None], out, 0.0)
+
+        return attend
+    mask = block_diagonal_mask(cu_seqlens, rows)  # (T, T)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (tensor.transpose(0, 1) for tensor in (q, k, v))  # (H, T, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
+
+    return attend
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in float32: x ``(T, H, hd)``, cos and sin ``(T, hd // 2)``."""
+    first, second = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        nn.init.zeros_(module.bias)
+
+
+def _as_grid(grid_thw: GridTHW) -> list[tuple[int, int, int]]:
+    rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
+
+
+def _local_tokens(grid: list[tuple[int, int, int]], config: PackedViTConfig) -> list[int]:
+    return [t * h * w // config.spatial_merge_size**2 for t, h, w in grid]
+
+
+def _patch_offsets(grid: list[tuple[int, int, int]]) -> list[int]:
+    return [0, *itertools.accumulate(t * h * w for t, h, w in grid)]
+
+
+def _patchify_frames(frames: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
+    """``(T, C, H, W) -> (T*h*w, C*p*p)`` in merge-window order."""
+    t, c, height, width = frames.shape
+    h, w = height // patch, width // patch
+    x = frames.reshape(t, c, h // merge, merge, patch, w // merge, merge, patch)
+    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # (t, h/m, w/m, m, m, c, p, p)
+    return x.reshape(t * h * w, c * patch * patch)
+
+
+def _unpatchify_frame(
+    patches: torch.Tensor, h: int, w: int, config: PackedViTConfig
+) -> torch.Tensor:
+    """The inverse of :func:`_patchify_frames` for one frame: ``(h*w, C*p*p) -> (C, H, W)``."""
+    c, p, m = config.in_channels, config.patch_size, config.spatial_merge_size
+    x = patches.reshape(h // m, w // m, m, m, c, p, p)
+    x = x.permute(4, 0, 2, 5, 1, 3, 6)  # (c, h/m, m, p, w/m, m, p)
+    return x.reshape(c, h * p, w * p)
+
+
+@lru_cache(maxsize=256)
+def _frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
+    """``(h*w, 2)`` patch (row, column) of one frame, in merge-window order."""
+    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+    positions = torch.stack((rows, cols), dim=-1)  # (h/m, m, w/m, m, 2)
+    return positions.permute(0, 2, 1, 3, 4).reshape(h * w, 2)

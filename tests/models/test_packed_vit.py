@@ -1,0 +1,207 @@
+import pytest
+import torch
+from torchvision.models.vision_transformer import VisionTransformer
+
+from lightning_cg.models.packed_vit import (
+    PackedViT,
+    PackedViTConfig,
+    block_diagonal_mask,
+    packed_vit_config,
+    packed_vit_small_config,
+    patchify,
+    tokens_per_item,
+)
+
+PATCH = 4
+
+
+def tiny_config(**overrides) -> PackedViTConfig:
+    sizes = dict(hidden_size=64, depth=2, num_heads=4, patch_size=PATCH, out_hidden_size=32)
+    return PackedViTConfig(**{**sizes, "mlp_ratio": 2.0, "global_grid": 4, **overrides})
+
+
+def tiny_tower(**overrides) -> PackedViT:
+    torch.manual_seed(0)
+    return PackedViT(tiny_config(**overrides)).eval()
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def test_patchify_puts_each_merge_window_on_consecutive_rows():
+    image = torch.arange(8 * 12.0).view(1, 8, 12)  # pixel value = its row-major index
+    patches, grid_thw = patchify([image], patch_size=1)
+    assert grid_thw.tolist() == [[1, 8, 12]]
+    assert patches[:8, 0].tolist() == [0, 1, 12, 13, 2, 3, 14, 15]
+    assert patches[24:28, 0].tolist() == [24, 25, 36, 37]  # first window of window-row 2
+
+
+def test_patchify_orders_items_then_frames_and_flattens_channels_first():
+    image = torch.randn(2, 8, 8)
+    video = torch.randn(3, 2, 8, 16)
+    patches, grid_thw = patchify([image, video], patch_size=2)
+    assert grid_thw.tolist() == [[1, 4, 4], [3, 4, 8]]
+    assert patches.shape == (16 + 3 * 32, 2 * 2 * 2)
+    torch.testing.assert_close(patches[0], image[:, :2, :2].flatten())
+    torch.testing.assert_close(patches[16 + 32], video[1, :, :2, :2].flatten())  # frame 1
+
+
+def test_patchify_rejects_sizes_off_the_merge_grid():
+    with pytest.raises(ValueError, match=r"items\[1\].*multiples of 8"):
+        patchify([torch.zeros(3, 8, 8), torch.zeros(3, 8, 12)], patch_size=PATCH)
+
+
+def test_tokens_per_item_counts_merged_and_global_tokens():
+    grid_thw = torch.tensor([[1, 4, 6], [2, 2, 2]])
+    assert tokens_per_item(grid_thw, tiny_config()) == [6, 2]
+    assert tokens_per_item(grid_thw, tiny_config(global_view=True)) == [10, 6]
+    assert tokens_per_item([(1, 8, 8)], tiny_config(global_view=True, global_grid=8)) == [32]
+
+
+@pytest.mark.parametrize("global_view", [False, True])
+def test_forward_shape_for_images_and_videos(global_view):
+    tower = tiny_tower(global_view=global_view)
+    items = [torch.randn(3, 16, 24), torch.randn(2, 3, 8, 8), torch.randn(3, 32, 8)]
+    patches, grid_thw = patchify(items, PATCH)
+    with torch.no_grad():
+        out = tower(patches, grid_thw)
+    assert out.shape == (sum(tokens_per_item(grid_thw, tower.config)), 32)
+    assert torch.isfinite(out).all()
+
+
+def test_forward_joins_local_then_global_rows_per_item():
+    tower = tiny_tower(global_view=True)
+    patches, grid_thw = patchify([torch.randn(3, 16, 16), torch.randn(3, 8, 24)], PATCH)
+    with torch.no_grad():
+        out = tower(patches, grid_thw)
+        local = tower.encode_local(patches, grid_thw).split([4, 3])
+        views = tower.encode_global(patches, grid_thw).split(4)
+    expected = torch.cat([local[0], views[0], local[1], views[1]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_attention_stays_within_each_item():
+    tower = tiny_tower(global_view=True)
+    items = [torch.randn(3, 16, 16), torch.randn(2, 3, 8, 16), torch.randn(3, 8, 8)]
+    changed = [items[0], items[1] + 1.0, items[2]]
+    with torch.no_grad():
+        before = tower(*patchify(items, PATCH)).split([8, 8, 5])
+        after = tower(*patchify(changed, PATCH)).split([8, 8, 5])
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(after[2], before[2], rtol=0, atol=1e-6)
+    assert not torch.allclose(after[1], before[1])
+
+
+def test_attention_stays_within_each_frame():
+    tower = tiny_tower()
+    video = torch.randn(2, 3, 16, 16)
+    edited = torch.stack([video[0], video[1] * 2.0])
+    with torch.no_grad():
+        before = tower(*patchify([video], PATCH)).split(4)
+        after = tower(*patchify([edited], PATCH)).split(4)
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=1e-6)
+    assert not torch.allclose(after[1], before[1])
+
+
+def test_block_diagonal_mask_gives_padding_rows_their_own_block():
+    cu_seqlens = torch.tensor([0, 2, 5, 5], dtype=torch.int32)  # last sequence empty
+    sequence_ids = torch.tensor([0, 0, 1, 1, 1, 9, 9])  # rows 5 and 6 are padding
+    expected = sequence_ids[:, None] == sequence_ids[None, :]
+    assert torch.equal(block_diagonal_mask(cu_seqlens, 7), expected)
+
+
+def test_padding_rows_leave_real_rows_unchanged_and_stay_finite():
+    tower = tiny_tower()
+    patches, grid_thw = patchify([torch.randn(3, 16, 8), torch.randn(2, 3, 8, 8)], PATCH)
+    metadata = tower.build_metadata(grid_thw, patches.device)
+    pad = 12  # patches, three merge windows
+    padded = {
+        "pixel_patches": torch.cat([patches, torch.zeros(pad, patches.shape[1])]),
+        "cu_seqlens": torch.cat([metadata["cu_seqlens"], metadata["cu_seqlens"][-1:].repeat(2)]),
+        "rotary_cos": torch.cat([metadata["rotary_cos"], torch.zeros(pad, 8)]),
+        "rotary_sin": torch.cat([metadata["rotary_sin"], torch.zeros(pad, 8)]),
+    }
+    with torch.no_grad():
+        exact = tower.forward_packed(patches, **metadata, max_seqlen=8)
+        out = tower.forward_packed(**padded, max_seqlen=patches.shape[0] + pad)
+    assert out.shape == (exact.shape[0] + 3, 32)
+    assert torch.isfinite(out).all()
+    assert relative_error(out[: exact.shape[0]], exact) < 1e-5
+
+
+def test_build_metadata_has_one_sequence_per_frame():
+    tower = tiny_tower()
+    metadata = tower.build_metadata([(1, 4, 6), (2, 2, 2)], torch.device("cpu"))
+    assert metadata["cu_seqlens"].dtype == torch.int32
+    assert metadata["cu_seqlens"].tolist() == [0, 24, 28, 32]
+    assert metadata["rotary_cos"].shape == metadata["rotary_sin"].shape == (32, 8)
+    torch.testing.assert_close(metadata["rotary_cos"][0], torch.ones(8))  # position (0, 0)
+
+
+def test_global_view_resizes_the_first_frame():
+    tower = tiny_tower(global_view=True)  # global view: 4 x 4 patches of 4 px
+    same_size = torch.randn(2, 3, 16, 16)
+    patches, grid_thw = patchify([same_size, torch.randn(3, 32, 8)], PATCH)
+    views, view_grid = tower.global_view_patches(patches, grid_thw)
+    assert view_grid.tolist() == [[1, 4, 4], [1, 4, 4]]
+    assert views.shape == (32, 3 * PATCH * PATCH)
+    # A first frame already at the view's size passes through unchanged.
+    torch.testing.assert_close(views[:16], patches[:16])
+
+
+def tiny_torchvision_vit(**overrides) -> VisionTransformer:
+    torch.manual_seed(1)
+    sizes = dict(image_size=32, patch_size=4, num_layers=2, num_heads=4, hidden_dim=64)
+    return VisionTransformer(**{**sizes, "mlp_dim": 128, **overrides}).eval()
+
+
+def test_load_torchvision_vit_reproduces_its_encoder():
+    tower, vit = tiny_tower(), tiny_torchvision_vit()
+    tower.load_torchvision_vit(vit)
+    image = torch.randn(3, 16, 24)
+    patches, _ = patchify([image], PATCH)
+    rows = patches.shape[0]
+    with torch.no_grad():
+        # Positions all zero make the rotary embedding the identity.
+        out = tower.forward_packed(
+            patches,
+            cu_seqlens=torch.tensor([0, rows], dtype=torch.int32),
+            rotary_cos=torch.ones(rows, 8),
+            rotary_sin=torch.zeros(rows, 8),
+            max_seqlen=rows,
+        )
+        tokens, _ = patchify([vit.conv_proj(image[None])[0]], patch_size=1)  # (T, D)
+        encoded = vit.encoder.ln(vit.encoder.layers(tokens[None]))[0]
+        expected = tower.merger.mlp(encoded.reshape(-1, 4 * 64))
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"hidden_dim": 32, "mlp_dim": 64}, "hidden_dim=32"), ({"num_layers": 3}, "num_layers=3")],
+)
+def test_load_torchvision_vit_rejects_other_sizes(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_tower().load_torchvision_vit(tiny_torchvision_vit(**overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"num_heads": 3}, "hidden_size"),
+        ({"global_grid": 3}, "global_grid"),
+        ({"depth": 0}, "depth"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"PackedViTConfig.{field}"):
+        tiny_config(**overrides)
+
+
+def test_presets():
+    small = packed_vit_small_config(global_view=True)
+    assert (small.hidden_size, small.depth, small.num_heads, small.patch_size) == (768, 12, 12, 16)
+    assert small.mlp_hidden_size == 3072 and small.global_view
+    large = packed_vit_config()
+    assert (large.hidden_size, large.depth, large.patch_size, large.head_dim) == (1280, 32, 14, 80)

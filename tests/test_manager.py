@@ -1,0 +1,205 @@
+import random
+
+import pytest
+import torch
+
+from lightning_cg.dispatcher import GraphMode
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from toy_encoder import ToyEncoder, ToyInputs, ToyTower
+
+
+def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, device="cpu"):
+    generator = torch.Generator().manual_seed(rng.randrange(2**31))
+    tokens = torch.randn(sum(lengths), 8, generator=generator).to(device=device, dtype=dtype)
+    return tokens, torch.tensor(lengths)
+
+
+def random_lengths(rng: random.Random, max_budget: int) -> list[int]:
+    count = rng.choice([0, 1, 1, 2, 3, 5, 8, 13])
+    # Mostly small items, sometimes one larger than every budget.
+    return [rng.choice([1, 2, 3, 7, 8, 15, 16, 30, max_budget + rng.randrange(1, 9)]) for _ in range(count)]
+
+
+def manager_for(tower: ToyTower, **kwargs) -> EncoderGraphManager:
+    return EncoderGraphManager(ToyEncoder(tower, max_budget=64), **kwargs)
+
+
+def run(manager: EncoderGraphManager, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return manager.execute(manager.encoder.inputs_from_call((tokens, lengths), {}))
+
+
+@pytest.mark.parametrize("global_tokens", [0, 4])
+@pytest.mark.parametrize("mode", ["full", "full_uniform_only", "none"])
+@pytest.mark.parametrize("packing", ["next_fit", "min_padding"])
+def test_replay_equals_eager_on_random_batches(global_tokens, mode, packing):
+    torch.manual_seed(0)
+    rng = random.Random(f"{global_tokens}{mode}{packing}")
+    tower = ToyTower(global_tokens=global_tokens).eval()
+    manager = manager_for(tower, mode=mode, packing=packing)
+    with torch.no_grad():
+        for _ in range(200):
+            tokens, lengths = make_batch(rng, random_lengths(rng, 64))
+            expected = tower(tokens, lengths)
+            actual = run(manager, tokens, lengths)
+            assert actual.shape == expected.shape
+            assert relative_error(actual, expected) < 1e-5
+    if mode == "full":
+        assert manager.stats.hits > 0
+
+
+def test_stats_count_hits_misses_and_padding():
+    tower = ToyTower().eval()
+    manager = manager_for(tower, mode="full", budgets=BudgetConfig(budgets=[16, 32, 64]))
+    rng = random.Random(0)
+    with torch.no_grad():
+        run(manager, *make_batch(rng, [5, 7]))  # 12 tokens -> budget 16
+        run(manager, *make_batch(rng, [70]))  # larger than every budget -> eager
+        run(manager, *make_batch(rng, []))  # nothing to do
+    stats = manager.stats
+    assert (stats.hits, stats.misses) == (1, 1)
+    assert (stats.real_tokens, stats.padded_tokens) == (12, 4)
+    assert stats.items == 3 and stats.sub_batches == 2
+    assert stats.hit_rate == pytest.approx(0.5)
+    assert stats.padding_waste == pytest.approx(4 / 12)
+
+
+def test_max_items_splits_batches_and_keeps_order():
+    tower = ToyTower().eval()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[16, 32, 64]), max_items=2)
+    rng = random.Random(1)
+    tokens, lengths = make_batch(rng, [9, 1, 4, 2, 3])
+    with torch.no_grad():
+        actual = run(manager, tokens, lengths)
+        expected = tower(tokens, lengths)
+    assert manager.stats.sub_batches == 3
+    assert relative_error(actual, expected) < 1e-5
+
+
+def test_frames_over_capacity_skip_the_graph():
+    tower = ToyTower().eval()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[64]), max_frames_per_batch=2)
+    rng = random.Random(2)
+    with torch.no_grad():
+        tokens, lengths = make_batch(rng, [3, 3, 3])
+        actual = run(manager, tokens, lengths)
+        assert (manager.stats.hits, manager.stats.misses) == (0, 1)
+        assert relative_error(actual, tower(tokens, lengths)) < 1e-5
+        run(manager, *make_batch(rng, [3, 3]))
+    assert manager.stats.hits == 1
+
+
+def test_uniform_only_mode_serves_uniform_batches_only():
+    tower = ToyTower().eval()
+    manager = manager_for(tower, mode="full_uniform_only", budgets=BudgetConfig(budgets=[16, 32]))
+    rng = random.Random(3)
+    with torch.no_grad():
+        run(manager, *make_batch(rng, [8, 8]))
+        assert (manager.stats.hits, manager.stats.misses) == (1, 0)
+        run(manager, *make_batch(rng, [8, 3]))
+    assert (manager.stats.hits, manager.stats.misses) == (1, 1)
+
+
+def test_output_never_aliases_graph_buffers():
+    tower = ToyTower().eval()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[32]))
+    rng = random.Random(4)
+    with torch.no_grad():
+        tokens, lengths = make_batch(rng, [5, 6])
+        first = run(manager, tokens, lengths)
+        snapshot = first.clone()
+        run(manager, *make_batch(rng, [9, 9]))
+    assert torch.equal(first, snapshot)
+    storages = {b.untyped_storage().data_ptr() for g in manager._graphs.values() for b in g.buffers.values()}
+    assert first.untyped_storage().data_ptr() not in storages
+
+
+def test_grad_enabled_runs_eagerly():
+    tower = ToyTower()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[32]))
+    tokens, lengths = make_batch(random.Random(5), [4, 4])
+    output = run(manager, tokens, lengths)
+    output.sum().backward()
+    assert tower.embed.weight.grad is not None
+    assert not manager.is_captured()
+    assert manager.stats.hits == 0
+
+
+class LeakyEncoder(ToyEncoder):
+    """Its graph forward ignores cu_seqlens: items attend across each other."""
+
+    def graph_forward(self, path, buffers):
+        lengths = torch.tensor([0, buffers["tokens"].shape[0]], dtype=torch.int32)
+        return self.tower.body(buffers["tokens"], lengths)
+
+
+def test_verify_catches_a_replay_that_differs_from_eager():
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(LeakyEncoder(tower), budgets=BudgetConfig(budgets=[32]), verify=True)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="budget 32"):
+        run(manager, *make_batch(random.Random(6), [5, 6]))
+
+
+def test_verify_passes_a_correct_encoder_once_per_graph():
+    tower = ToyTower().eval()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[32]), verify=True)
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(7), [5, 6]))
+    assert all(graph.verified for graph in manager._graphs.values())
+
+
+def test_clear_drops_graphs_and_recaptures():
+    tower = ToyTower().eval()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[16, 32]))
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(8), [5]))
+        assert manager.is_captured()
+        manager.clear()
+        assert not manager.is_captured() and not manager._graphs
+        run(manager, *make_batch(random.Random(9), [5]))
+    assert manager.is_captured()
+
+
+def test_bad_configuration_names_the_field():
+    tower = ToyTower()
+    with pytest.raises(ValueError, match="packing"):
+        manager_for(tower, packing="best")
+    with pytest.raises(ValueError, match="path_budgets"):
+        manager_for(tower, path_budgets={"nope": BudgetConfig()})
+    with pytest.raises(ValueError, match="max_frames_per_batch"):
+        manager_for(tower, max_frames_per_batch=0)
+    with pytest.raises(ValueError, match="mode"):
+        manager_for(tower, mode="fastest")
+    with pytest.raises(TypeError, match="GraphableEncoder"):
+        EncoderGraphManager(object())
+
+
+def test_path_budgets_override_one_path():
+    tower = ToyTower(global_tokens=4)
+    manager = manager_for(tower, path_budgets={"global": BudgetConfig(budgets=[4, 8])})
+    assert manager.paths["global"].budgets == [4, 8]
+    assert manager.paths["local"].budgets[-1] == 64
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_replay_equals_eager(dtype):
+    torch.manual_seed(0)
+    rng = random.Random(str(dtype))
+    tower = ToyTower(global_tokens=4).cuda().to(dtype).eval()
+    manager = manager_for(tower, mode="full")
+    tolerance = 1e-5 if dtype is torch.float32 else 2e-2
+    with torch.no_grad():
+        for _ in range(200):
+            tokens, lengths = make_batch(rng, random_lengths(rng, 64), dtype=dtype, device="cuda")
+            expected = tower(tokens, lengths)
+            actual = run(manager, tokens, lengths)
+            assert relative_error(actual, expected) < tolerance
+    assert manager.stats.graphs > 0 and manager.stats.hits > 0
+    assert all(g.cuda_graph is not None for g in manager._graphs.values())
+
+
+def test_mode_none_never_captures():
+    manager = manager_for(ToyTower().eval(), mode=GraphMode.NONE)
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(10), [4]))
+    assert not manager._graphs and manager.stats.misses == 1
