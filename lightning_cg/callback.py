@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -27,7 +28,7 @@ from lightning_cg.progress import CaptureProgress
 STAGES = ("validate", "predict")
 BUDGET_FIELDS = ("min_budget", "max_budget", "budgets", "ladder", "ratio", "align")
 #: Strategies that shard parameters: a graph would capture one shard's addresses.
-REFUSED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+REFUSED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
 
 class CUDAGraphCallback(Callback):
@@ -81,11 +82,16 @@ class CUDAGraphCallback(Callback):
         packing: str = "next_fit",
     ) -> None:
         if not module or not all(part.isidentifier() for part in module.split(".")):
-            raise ValueError(f"module must be a dotted attribute path like 'model.visual'; got {module!r}")
+            raise ValueError(
+                f"module must be a dotted attribute path like 'model.visual'; got {module!r}"
+            )
         unknown_stages = sorted(set(stages) - set(STAGES))
         if unknown_stages:
             raise ValueError(f"stages has {unknown_stages}; allowed: {', '.join(STAGES)}")
-        for name, value in (("max_items_per_batch", max_items_per_batch), ("max_frames_per_batch", max_frames_per_batch)):
+        for name, value in (
+            ("max_items_per_batch", max_items_per_batch),
+            ("max_frames_per_batch", max_frames_per_batch),
+        ):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
         self.module = module
@@ -115,8 +121,8 @@ class CUDAGraphCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = type(trainer.strategy).__name__
-        if strategy in REFUSED_STRATEGIES:
+        if isinstance(trainer.strategy, REFUSED_STRATEGIES):
+            strategy = type(trainer.strategy).__name__
             raise RuntimeError(
                 f"CUDAGraphCallback does not support {strategy}: it shards parameters, and a "
                 "graph captured on one shard's addresses cannot replay. Use strategy='ddp' or "
@@ -193,7 +199,10 @@ class CUDAGraphCallback(Callback):
             return manager.execute(encoder.inputs_from_call(args, kwargs))
 
         # Remember an instance-level forward (another wrapper) to put it back as it was.
-        self._swapped = {"had_instance_forward": "forward" in tower.__dict__, "forward": tower.__dict__.get("forward")}
+        self._swapped = {
+            "had_instance_forward": "forward" in tower.__dict__,
+            "forward": tower.__dict__.get("forward"),
+        }
         tower.forward = graphed_forward
 
     def restore(self) -> None:
@@ -232,11 +241,12 @@ class CUDAGraphCallback(Callback):
         metrics = {f"cudagraph/{name}": value for name, value in self.last_stats.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        stats = self.last_stats
         rank_zero_info(
-            f"CUDAGraphCallback ({stage}): {int(self.last_stats['hits'])} graph replays, "
-            f"{int(self.last_stats['misses'])} eager runs, hit rate {self.last_stats['hit_rate']:.0%}, "
-            f"padding waste {self.last_stats['padding_waste']:.1%}, "
-            f"{int(self.last_stats['graphs'])} graphs captured in {self.last_stats['capture_seconds']:.2f} s"
+            f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
+            f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
+            f"padding waste {stats['padding_waste']:.1%}, "
+            f"{stats['graphs']:.0f} graphs captured in {stats['capture_seconds']:.2f} s"
         )
         if not self.keep_graphs:
             self.manager.clear()
@@ -250,7 +260,8 @@ def resolve_module(pl_module: nn.Module, path: str) -> nn.Module:
     except AttributeError:
         children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
         raise ValueError(
-            f"module={path!r} does not exist on {type(pl_module).__name__}; its child modules: {children}"
+            f"module={path!r} does not exist on {type(pl_module).__name__}; "
+            f"its child modules: {children}"
         ) from None
     if not isinstance(module, nn.Module):
         raise ValueError(f"module={path!r} is a {type(module).__name__}, not a torch.nn.Module")
@@ -259,13 +270,19 @@ def resolve_module(pl_module: nn.Module, path: str) -> nn.Module:
 
 def reduce_stats(trainer: pl.Trainer, stats: Mapping[str, float]) -> dict[str, float]:
     """Counters summed over ranks, rates recomputed from the sums."""
-    counters = {name: value for name, value in stats.items() if name not in ("hit_rate", "padding_waste")}
-    totals = torch.tensor(list(counters.values()), dtype=torch.float64, device=trainer.strategy.root_device)
+    counters = {
+        name: value for name, value in stats.items() if name not in ("hit_rate", "padding_waste")
+    }
+    totals = torch.tensor(
+        list(counters.values()), dtype=torch.float64, device=trainer.strategy.root_device
+    )
     totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()
     summed = dict(zip(counters, totals, strict=True))
     runs = summed["hits"] + summed["misses"]
     summed["hit_rate"] = summed["hits"] / runs if runs else 0.0
-    summed["padding_waste"] = summed["padded_tokens"] / summed["real_tokens"] if summed["real_tokens"] else 0.0
+    summed["padding_waste"] = (
+        summed["padded_tokens"] / summed["real_tokens"] if summed["real_tokens"] else 0.0
+    )
     return summed
 
 
@@ -273,7 +290,9 @@ def _budget_config(field: str, choice: Mapping[str, Any] | None) -> BudgetConfig
     choice = dict(choice or {})
     unknown = sorted(set(choice) - set(BUDGET_FIELDS))
     if unknown:
-        raise ValueError(f"{field} has unknown key(s) {unknown}; allowed: {', '.join(BUDGET_FIELDS)}")
+        raise ValueError(
+            f"{field} has unknown key(s) {unknown}; allowed: {', '.join(BUDGET_FIELDS)}"
+        )
     if choice.get("budgets") is not None:
         choice["budgets"] = [int(budget) for budget in choice["budgets"]]
     return BudgetConfig(**choice)

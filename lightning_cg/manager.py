@@ -69,7 +69,9 @@ class BudgetConfig:
         if self.budgets is not None and (
             not self.budgets or any(not isinstance(b, int) or b < 1 for b in self.budgets)
         ):
-            raise ValueError(f"budgets must be a non-empty list of positive integers; got {self.budgets!r}")
+            raise ValueError(
+                f"budgets must be a non-empty list of positive integers; got {self.budgets!r}"
+            )
         if self.ladder not in LADDERS:
             raise ValueError(f"ladder must be one of {', '.join(LADDERS)}; got {self.ladder!r}")
 
@@ -91,6 +93,7 @@ class GraphStats:
     pool_bytes: int = 0
     sub_batches: int = 0
     items: int = 0
+    tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -167,14 +170,17 @@ class EncoderGraphManager:
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
             raise TypeError(
-                f"encoder must implement lightning_cg.encoder.GraphableEncoder; got {type(encoder)!r}"
+                "encoder must implement lightning_cg.encoder.GraphableEncoder; "
+                f"got {type(encoder)!r}"
             )
         if packing not in PACKING_STRATEGIES:
             raise ValueError(
                 f"packing must be one of {', '.join(PACKING_STRATEGIES)}; got {packing!r}"
             )
         if max_frames_per_batch is not None and max_frames_per_batch < 1:
-            raise ValueError(f"max_frames_per_batch must be >= 1 or None; got {max_frames_per_batch}")
+            raise ValueError(
+                f"max_frames_per_batch must be >= 1 or None; got {max_frames_per_batch}"
+            )
         self.encoder = encoder
         self.mode = GraphMode.parse(mode)
         if self.mode.requires_piecewise():
@@ -328,6 +334,7 @@ class EncoderGraphManager:
         """
         specs = self.encoder.item_specs(inputs)
         self.stats.items += len(specs)
+        self.stats.tokens += sum(spec.output_tokens for spec in specs)
         if torch.is_grad_enabled():
             # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
             return self._execute_eager(inputs, specs)
@@ -451,7 +458,9 @@ class EncoderGraphManager:
         tokens = [spec.path_tokens.get(path, 0) for spec in specs]
         if sum(tokens) == 0:
             return [None] * len(specs)
-        return [part if count else None for part, count in zip(rows.split(tokens), tokens)]
+        return [
+            part if count else None for part, count in zip(rows.split(tokens), tokens, strict=True)
+        ]
 
     def _verify(
         self, graph: _Graph, path: str, inputs: Any, specs: list[ItemSpec], rows: torch.Tensor

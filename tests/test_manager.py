@@ -2,10 +2,10 @@ import random
 
 import pytest
 import torch
+from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
-from toy_encoder import ToyEncoder, ToyInputs, ToyTower
 
 
 def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, device="cpu"):
@@ -17,7 +17,10 @@ def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, devi
 def random_lengths(rng: random.Random, max_budget: int) -> list[int]:
     count = rng.choice([0, 1, 1, 2, 3, 5, 8, 13])
     # Mostly small items, sometimes one larger than every budget.
-    return [rng.choice([1, 2, 3, 7, 8, 15, 16, 30, max_budget + rng.randrange(1, 9)]) for _ in range(count)]
+    return [
+        rng.choice([1, 2, 3, 7, 8, 15, 16, 30, max_budget + rng.randrange(1, 9)])
+        for _ in range(count)
+    ]
 
 
 def manager_for(tower: ToyTower, **kwargs) -> EncoderGraphManager:
@@ -109,7 +112,9 @@ def test_output_never_aliases_graph_buffers():
         snapshot = first.clone()
         run(manager, *make_batch(rng, [9, 9]))
     assert torch.equal(first, snapshot)
-    storages = {b.untyped_storage().data_ptr() for g in manager._graphs.values() for b in g.buffers.values()}
+    storages = {
+        b.untyped_storage().data_ptr() for g in manager._graphs.values() for b in g.buffers.values()
+    }
     assert first.untyped_storage().data_ptr() not in storages
 
 
@@ -134,7 +139,9 @@ class LeakyEncoder(ToyEncoder):
 
 def test_verify_catches_a_replay_that_differs_from_eager():
     tower = ToyTower().eval()
-    manager = EncoderGraphManager(LeakyEncoder(tower), budgets=BudgetConfig(budgets=[32]), verify=True)
+    manager = EncoderGraphManager(
+        LeakyEncoder(tower), budgets=BudgetConfig(budgets=[32]), verify=True
+    )
     with torch.no_grad(), pytest.raises(RuntimeError, match="budget 32"):
         run(manager, *make_batch(random.Random(6), [5, 6]))
 

@@ -37,9 +37,15 @@ class ToyTower(nn.Module):
         return self.out(x + attended)
 
     def global_view(self, tokens: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-        items = tokens.split(list(lengths))
-        pooled = [F.adaptive_avg_pool1d(item.T[None], self.global_tokens)[0].T for item in items]
-        return torch.cat(pooled) if pooled else tokens.new_zeros(0, tokens.shape[1])
+        # Evenly spaced rows of each item: a fixed-size view of any length.
+        rows, start = [], 0
+        for length in lengths:
+            rows += [
+                start + (length - 1) * i // max(self.global_tokens - 1, 1)
+                for i in range(self.global_tokens)
+            ]
+            start += length
+        return tokens[rows]
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         lengths_list = lengths.tolist()
@@ -47,7 +53,9 @@ class ToyTower(nn.Module):
         if not self.global_tokens or not lengths_list:
             return local
         views = self.global_view(tokens, lengths_list)
-        global_rows = self.body(views, cumulative([self.global_tokens] * len(lengths_list), tokens.device))
+        global_rows = self.body(
+            views, cumulative([self.global_tokens] * len(lengths_list), tokens.device)
+        )
         parts = []
         for item_local, item_global in zip(
             local.split(lengths_list), global_rows.split(self.global_tokens), strict=True
@@ -134,8 +142,15 @@ class ToyEncoder:
         tokens, lengths = self._path_rows(path, inputs)
         return self.tower.body(tokens, cumulative(lengths, tokens.device))
 
-    def postprocess(self, outputs: list[dict[str, torch.Tensor]], inputs: ToyInputs) -> torch.Tensor:
-        parts = [rows for item in outputs for path in ("local", "global") if (rows := item.get(path)) is not None]
+    def postprocess(
+        self, outputs: list[dict[str, torch.Tensor]], inputs: ToyInputs
+    ) -> torch.Tensor:
+        parts = [
+            rows
+            for item in outputs
+            for path in ("local", "global")
+            if (rows := item.get(path)) is not None
+        ]
         if not parts:
             return inputs.tokens.new_zeros(0, self.tower.out.out_features)
         return torch.cat(parts)

@@ -1,0 +1,157 @@
+"""GraphableEncoder for any batch-first tower: ``tower(x [B, ...]) -> Tensor [B, ...]``.
+
+Each batch row is one item costing one token on the single path ``image``, so a
+token budget is simply a batch size. torchvision's ``vit_b_16`` and ``resnet50``
+and timm models fit as they are; a tower whose call takes more than one tensor,
+or returns more than one, needs its own :class:`~lightning_cg.encoder.GraphableEncoder`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+
+#: The only encoder path of a batch-first tower.
+IMAGE_PATH = "image"
+
+
+class BatchedEncoderAdapter:
+    """Graph a batch-first tower at batch-size budgets.
+
+    The adapter binds the tower's class ``forward`` at construction, so it keeps
+    running the original computation after the callback replaces the instance
+    attribute ``tower.forward`` with graph replay. Calling ``forward`` directly
+    also means the tower's own module hooks do not run inside the adapter.
+
+    Args:
+        tower: a module called as ``tower(x)`` with ``x`` of shape ``[B, ...]``
+            that returns one tensor of shape ``[B, ...]``.
+        max_batch_size: the largest batch (token budget) worth a graph by default.
+
+    Example:
+        >>> from torchvision.models import resnet18
+        >>> adapter = BatchedEncoderAdapter(resnet18(num_classes=10).eval(), max_batch_size=8)
+        >>> x = adapter.inputs_from_call((torch.randn(2, 3, 64, 64),), {})
+        >>> adapter.eager_forward("image", x).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, tower: nn.Module, max_batch_size: int = 64) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size}")
+        self.tower = tower
+        self.max_batch_size = max_batch_size
+        self._forward = type(tower).forward.__get__(tower)
+        self._input_name = next(iter(inspect.signature(self._forward).parameters), None)
+
+    def graph_config(self) -> EncoderGraphConfig:
+        """One path, ``image``, where every item costs one token.
+
+        ``out_hidden_size`` stays 0: the output shape is only known once the
+        tower has run.
+        """
+        return EncoderGraphConfig(
+            modalities=("image",), paths={IMAGE_PATH: PathConfig(min_token_budget=1)}
+        )
+
+    def token_budget_range(self, path: str) -> tuple[int, int]:
+        """Budgets from a batch of one up to ``max_batch_size``."""
+        self._check_path(path)
+        return 1, self.max_batch_size
+
+    def inputs_from_call(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The batch tensor of a ``tower(x)`` or ``tower(<name>=x)`` call.
+
+        Raises:
+            ValueError: the call is not exactly one tensor, by position or by the
+                name of the forward's first parameter.
+        """
+        if len(args) == 1 and not kwargs:
+            x = args[0]
+        elif not args and len(kwargs) == 1 and self._input_name in kwargs:
+            x = kwargs[self._input_name]
+        else:
+            raise ValueError(
+                self._convention_message(
+                    f"got {len(args)} positional arguments and keyword arguments {sorted(kwargs)}"
+                )
+            )
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise ValueError(
+                self._convention_message(f"got {type(x).__name__} instead of a batch tensor")
+            )
+        return x
+
+    def item_specs(self, inputs: torch.Tensor) -> list[ItemSpec]:
+        """One single-token item per batch row."""
+        spec = ItemSpec(input_size=1, output_tokens=1, path_tokens={IMAGE_PATH: 1})
+        return [spec] * inputs.shape[0]
+
+    def select_items(self, inputs: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        """The rows at ``indices``, in that order."""
+        return inputs[torch.as_tensor(indices, dtype=torch.long, device=inputs.device)]
+
+    def graph_signature(self, inputs: torch.Tensor) -> Hashable:
+        """Per-item shape, dtype and device: 224 px and 384 px batches get separate graphs."""
+        return tuple(inputs.shape[1:]), inputs.dtype, inputs.device
+
+    def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
+        """A batch of ``spec.token_budget`` random rows of the signature's shape."""
+        self._check_path(spec.path)
+        item_shape, dtype, device = spec.signature
+        shape = (spec.token_budget, *item_shape)
+        if dtype.is_floating_point:
+            return {"x": torch.randn(shape, dtype=dtype, device=device)}
+        return {"x": torch.zeros(shape, dtype=dtype, device=device)}
+
+    def replay_inputs(self, path: str, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch itself; the manager zero-pads it up to the budget."""
+        self._check_path(path)
+        return {"x": inputs}
+
+    def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The original forward on the padded static batch; one output row per row."""
+        self._check_path(path)
+        return self._run(buffers["x"])
+
+    def eager_forward(self, path: str, inputs: torch.Tensor) -> torch.Tensor:
+        """The original forward on exactly ``inputs``."""
+        self._check_path(path)
+        return self._run(inputs)
+
+    def postprocess(
+        self, outputs: list[dict[str, torch.Tensor]], inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """Stack the items' rows back into one ``[B, ...]`` tensor.
+
+        An empty batch runs the tower on the empty input, since only the tower
+        knows the shape of an output row.
+        """
+        if not outputs:
+            return self._run(inputs)
+        return torch.cat([output[IMAGE_PATH] for output in outputs])
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._forward(x)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(self._convention_message(f"the tower returned {type(out).__name__}"))
+        return out
+
+    def _convention_message(self, got: str) -> str:
+        return (
+            f"BatchedEncoderAdapter serves towers called as tower(x) with one batch-first "
+            f"tensor x [B, ...] that return one tensor [B, ...]; {got}. Implement "
+            f"lightning_cg.encoder.GraphableEncoder for {type(self.tower).__name__} to graph "
+            "other calling conventions or structured outputs."
+        )
+
+    def _check_path(self, path: str) -> None:
+        if path != IMAGE_PATH:
+            raise ValueError(
+                f"unknown encoder path {path!r}; BatchedEncoderAdapter has only 'image'"
+            )

@@ -1,0 +1,264 @@
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import FSDPStrategy
+
+from lightning_cg.callback import CUDAGraphCallback
+from lightning_cg.data.synthetic import SyntheticDataModule
+from lightning_cg.models.lit import VisionClassifier, build_tower
+from lightning_cg.models.packed_vit import PackedViT
+
+TINY = dict(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
+BUDGETS = {"min_budget": 8, "max_budget": 256}
+
+
+class RecordingModel(VisionClassifier):
+    """Records whether each training step saw the tower's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__(build_tower("packed_vit_small", **TINY), num_classes=4)
+        self.training_forwards: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        self.training_forwards.append("forward" not in self.vision_tower.__dict__)
+        return super().training_step(batch, batch_idx)
+
+
+def datamodule(num_items: int = 12) -> SyntheticDataModule:
+    return SyntheticDataModule(
+        num_items=num_items, batch_size=4, min_side=8, max_side=40, patch_size=4, num_classes=4
+    )
+
+
+def trainer(*callbacks, **kwargs) -> Trainer:
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return Trainer(callbacks=list(callbacks), **{**options, **kwargs})
+
+
+def model() -> RecordingModel:
+    torch.manual_seed(0)
+    return RecordingModel()
+
+
+def predictions(callback=None, **trainer_kwargs) -> torch.Tensor:
+    callbacks = [callback] if callback else []
+    return torch.cat(trainer(*callbacks, **trainer_kwargs).predict(model(), datamodule()))
+
+
+def test_predict_equals_eager_and_restores_forward():
+    callback = CUDAGraphCallback(budgets=BUDGETS)
+    graphed = predictions(callback)
+    eager = predictions()
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
+    assert "forward" not in callback._tower.__dict__
+    assert callback.last_stats["hits"] > 0 and callback.last_stats["items"] == 12
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_validate_swaps_in_and_out(inference_mode):
+    callback = CUDAGraphCallback(budgets=BUDGETS)
+    net = model()
+    results = trainer(callback, inference_mode=inference_mode).validate(
+        net, datamodule(), verbose=False
+    )
+    eager = trainer(inference_mode=inference_mode).validate(net, datamodule(), verbose=False)
+    assert results[0]["val_loss"] == pytest.approx(eager[0]["val_loss"], rel=1e-5)
+    assert "forward" not in net.vision_tower.__dict__
+    assert callback.last_stats["hits"] > 0
+
+
+def test_fit_trains_eagerly_and_matches_a_fit_without_the_callback():
+    nets = []
+    for callbacks in ([CUDAGraphCallback(budgets=BUDGETS)], []):
+        net = model()
+        trainer(*callbacks, max_epochs=2, deterministic=True).fit(net, datamodule())
+        nets.append(net)
+    graphed, plain = nets
+    assert graphed.training_forwards and all(graphed.training_forwards)
+    for (name, a), (_, b) in zip(
+        graphed.state_dict().items(), plain.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_graphs_are_kept_across_validation_epochs_and_recaptured_on_new_storage():
+    callback = CUDAGraphCallback(budgets=BUDGETS)
+    net = model()
+    fit_trainer = trainer(callback, max_epochs=2)
+    fit_trainer.fit(net, datamodule())
+    graphs = dict(callback.manager._graphs)
+    assert graphs
+    fit_trainer.validate(net, datamodule(), verbose=False)
+    assert callback.manager._graphs == graphs  # same objects: nothing recaptured
+    # New parameter tensors (not in-place) invalidate every captured address.
+    net.vision_tower.load_state_dict(
+        {k: v.clone() for k, v in net.vision_tower.state_dict().items()}, assign=True
+    )
+    fit_trainer.validate(net, datamodule(), verbose=False)
+    assert all(graph is not graphs.get(key) for key, graph in callback.manager._graphs.items())
+
+
+def test_exception_in_predict_restores_forward():
+    class Exploding(RecordingModel):
+        def predict_step(self, batch, batch_idx, dataloader_idx=0):
+            self.vision_tower(batch["pixel_patches"], batch["grid_thw"])
+            raise RuntimeError("boom")
+
+    net = Exploding()
+    callback = CUDAGraphCallback(budgets=BUDGETS)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(callback).predict(net, datamodule())
+    assert "forward" not in net.vision_tower.__dict__
+
+
+def test_keep_graphs_false_frees_graphs_after_each_run():
+    callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=False)
+    trainer(callback).predict(model(), datamodule())
+    assert not callback.manager._graphs and not callback.manager.is_captured()
+
+
+def test_stages_limit_where_graphs_run():
+    callback = CUDAGraphCallback(budgets=BUDGETS, stages=["validate"])
+    trainer(callback).predict(model(), datamodule())
+    assert callback.manager.stats.items == 0 and callback.last_stats == {}
+
+
+def test_bf16_mixed_matches_eager_within_bf16_tolerance():
+    graphed = predictions(CUDAGraphCallback(budgets=BUDGETS), precision="bf16-mixed")
+    eager = predictions(precision="bf16-mixed")
+    assert ((graphed - eager).norm() / eager.norm()).item() < 2e-2
+
+
+class MetricsLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[str, float] = {}
+
+    name = "memory"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("stage", ["validate", "predict"])
+def test_stats_reach_the_loggers(stage):
+    memory = MetricsLogger()
+    run = trainer(CUDAGraphCallback(budgets=BUDGETS), logger=memory)
+    getattr(run, stage)(model(), datamodule())
+    assert memory.metrics["cudagraph/items"] == 12
+    assert memory.metrics["cudagraph/hits"] >= 1
+    assert 0 < memory.metrics["cudagraph/hit_rate"] <= 1
+
+
+def test_compiled_tower_is_left_alone_with_a_warning():
+    net = model()
+    net.vision_tower = torch.compile(net.vision_tower)
+    callback = CUDAGraphCallback(budgets=BUDGETS)
+    with pytest.warns(UserWarning, match="torch.compile"):
+        callback.setup(trainer(callback), net, "predict")
+    assert callback.manager is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"mode": "fastest"}, "mode"),
+        ({"budgets": {"min_budget": 0}}, "min_budget"),
+        ({"budgets": {"min_budget": 64, "max_budget": 8}}, "min_budget"),
+        ({"budgets": {"budgets": [0, 8]}}, "budgets"),
+        ({"budgets": {"ladder": "fibonacci"}}, "ladder"),
+        ({"budgets": {"max": 8}}, "budgets"),
+        ({"paths": {"local": {"steps": 3}}}, "paths.local"),
+        ({"stages": ["test"]}, "stages"),
+        ({"max_items_per_batch": 0}, "max_items_per_batch"),
+        ({"module": "vision tower"}, "module"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CUDAGraphCallback(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"module": "visual"}, "module='visual'"),
+        ({"module": "hparams"}, "not a torch.nn.Module"),
+        ({"module": "head"}, "no adapter fits"),
+        ({"budgets": {"budgets": [8, 16]}, "max_items_per_batch": 32}, "max_items"),
+        ({"paths": {"elsewhere": {"budgets": [8]}}}, "path_budgets"),
+        ({"adapter": "magic"}, "adapter"),
+    ],
+)
+def test_bad_towers_and_budgets_fail_at_setup(kwargs, field):
+    callback = CUDAGraphCallback(**kwargs)
+    with pytest.raises(ValueError, match=field):
+        callback.setup(trainer(callback), model(), "predict")
+
+
+def test_sharding_strategies_are_refused():
+    class FakeTrainer:
+        strategy = FSDPStrategy()
+
+    with pytest.raises(RuntimeError, match="FSDPStrategy"):
+        CUDAGraphCallback().setup(FakeTrainer(), model(), "fit")
+
+
+def test_a_tower_implementing_the_protocol_is_used_as_is():
+    from toy_encoder import ToyEncoder, ToyTower
+
+    from lightning_cg.adapters import adapter_for
+
+    encoder = ToyEncoder(ToyTower())
+    assert adapter_for(encoder) is encoder
+    assert (
+        type(adapter_for(PackedViT(build_tower("packed_vit_small", **TINY).config))).__name__
+        == "PackedEncoderAdapter"
+    )
+
+
+def test_hydra_target_builds_the_callback():
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from test_app import CONF
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose(
+            "predict", overrides=["cudagraph=full_uniform_only", "cudagraph.budgets.max_budget=512"]
+        )
+    callback = instantiate(cfg.cudagraph)
+    assert isinstance(callback, CUDAGraphCallback)
+    assert callback.mode.name == "FULL_UNIFORM_ONLY" and callback.budgets.max_budget == 512
+
+
+def test_lightning_cli_adds_the_callback():
+    from lightning.pytorch.cli import LightningCLI
+
+    class CliModel(RecordingModel):
+        pass
+
+    cli = LightningCLI(
+        CliModel,
+        SyntheticDataModule,
+        run=False,
+        args=[
+            "--trainer.accelerator=cpu",
+            "--trainer.callbacks+=lightning_cg.CUDAGraphCallback",
+            "--trainer.callbacks.mode=full_uniform_only",
+            "--trainer.callbacks.max_items_per_batch=2",
+        ],
+    )
+    [callback] = [c for c in cli.trainer.callbacks if isinstance(c, CUDAGraphCallback)]
+    assert callback.mode.name == "FULL_UNIFORM_ONLY" and callback.max_items_per_batch == 2
