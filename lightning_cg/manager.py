@@ -198,7 +198,7 @@ class EncoderGraphManager:
         self.stats = GraphStats()
         self._budget_configs = self._check_path_budgets(budgets or BudgetConfig(), path_budgets)
         self.max_items = self._resolve_max_items(max_items)
-        self.paths = self._plan_paths(uniform_item_counts, max_frames_per_batch)
+        self.paths = self._plan_paths(max_items, uniform_item_counts, max_frames_per_batch)
         self._graphs: dict[tuple[Hashable, str, BatchDescriptor], _Graph] = {}
         self._graph_sets: set[Hashable] = set()
         self._pool: Any = None
@@ -239,14 +239,19 @@ class EncoderGraphManager:
         return min(self._resolve_path(path, max_items)[1] for path in self.config.paths)
 
     def _plan_paths(
-        self, uniform_item_counts: Sequence[int] | None, max_frames_per_batch: int | None
+        self,
+        user_max_items: int | None,
+        uniform_item_counts: Sequence[int] | None,
+        max_frames_per_batch: int | None,
     ) -> dict[str, _PathPlan]:
         counts = list(uniform_item_counts or _pow2_counts(self.max_items))
         frames_per_item = self.config.max_frames_per_item
         max_frames = max_frames_per_batch or self.max_items * frames_per_item
         plans = {}
         for path, path_config in self.config.paths.items():
-            budgets, _ = self._resolve_path(path, self.max_items)
+            # The user's max_items, not the resolved one: that would start
+            # every ladder at max_items (the seed's 'only max_items' branch).
+            budgets, _ = self._resolve_path(path, user_max_items)
             plans[path] = _PathPlan(
                 budgets=budgets,
                 dispatcher=CudagraphDispatcher(self.mode, budgets, counts),

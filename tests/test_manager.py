@@ -210,3 +210,12 @@ def test_mode_none_never_captures():
     with torch.no_grad():
         run(manager, *make_batch(random.Random(10), [4]))
     assert not manager._graphs and manager.stats.misses == 1
+
+
+def test_default_ladder_starts_at_the_adapters_minimum():
+    # Batch-first towers: budgets count items, so batch 1 must get a graph of 1.
+    from lightning_cg.adapters.batched import BatchedEncoderAdapter
+
+    manager = EncoderGraphManager(BatchedEncoderAdapter(torch.nn.Linear(4, 4), max_batch_size=64))
+    assert manager.paths["image"].budgets == [1, 2, 4, 8, 16, 32, 64]
+    assert manager.max_items == 64
