@@ -488,7 +488,9 @@ def exact_method(tower: nn.Module, workload: Workload, settings: BenchSettings) 
     pool = torch.cuda.graph_pool_handle()
     reserved_before = torch.cuda.memory_reserved()
     started = time.perf_counter()
-    graphs: list[list[torch.cuda.CUDAGraph]] = []
+    # Per batch: (graph, buffers, output). A graph reads its inputs and writes its
+    # output by address, so both must live as long as it does.
+    graphs: list[list[tuple[torch.cuda.CUDAGraph, dict, object]]] = []
     for batch in workload.batches:
         inputs = encoder.inputs_from_call(batch, {})
         specs = encoder.item_specs(inputs)
@@ -496,13 +498,13 @@ def exact_method(tower: nn.Module, workload: Workload, settings: BenchSettings) 
         for path in encoder.graph_config().paths:
             if sum(spec.path_tokens.get(path, 0) for spec in specs):
                 buffers = encoder.replay_inputs(path, inputs)
-                run = partial(encoder.graph_forward, path, buffers)
-                batch_graphs.append(_capture(run, pool))
+                graph, output = _capture(partial(encoder.graph_forward, path, buffers), pool)
+                batch_graphs.append((graph, buffers, output))
         graphs.append(batch_graphs)
     torch.cuda.synchronize()
 
     def step(index: int) -> None:
-        for graph in graphs[index]:
+        for graph, _, _ in graphs[index]:
             graph.replay()
 
     return Runner(
@@ -525,7 +527,7 @@ def compile_method(tower: nn.Module, workload: Workload, settings: BenchSettings
     return Runner(step=step, setup_in_first_pass=True, close=torch._dynamo.reset, note=note)
 
 
-def _capture(run: Callable[[], object], pool: Any) -> torch.cuda.CUDAGraph:
+def _capture(run: Callable[[], object], pool: Any) -> tuple[torch.cuda.CUDAGraph, object]:
     # Warm up on a side stream so lazy initialisation stays out of the graph.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -535,8 +537,8 @@ def _capture(run: Callable[[], object], pool: Any) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        run()
-    return graph
+        output = run()
+    return graph, output
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,7 @@ def test_captured_replay_matches_eager_on_cuda(make_tower, dtype, monkeypatch):
     adapter, manager = manager_for(tower)
     with torch.no_grad():
         for batch_size in (1, 3, 8, 5):
-            x = torch.randn(batch_size, 3, 32, 32, device="cuda", dtype=dtype)
+            x = torch.randn(batch_size, 3, 16, 16, device="cuda", dtype=dtype)
             out = manager.execute(adapter.inputs_from_call((x,), {}))
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out, tower(x), rtol=tolerance, atol=tolerance)
