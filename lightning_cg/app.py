@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
@@ -93,8 +94,12 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+@rank_zero_only
 def print_report(report: RunReport, console: Console | None = None) -> None:
-    """A rich table of the run: images, tokens, graphs, hit rate, padding, time per image."""
+    """A rich table of the run: images, tokens, graphs, hit rate, padding, time per image.
+
+    Prints on global rank 0 only: under DDP every rank holds the same summed stats.
+    """
     console = console or Console()
     stats = report.stats
     images = int(stats.get("items", 0))

@@ -82,6 +82,8 @@ ROW_KEYS = (
     "peak_mem_bytes",
     "total_s",
     "hit_rate",
+    "host_us_per_replay",
+    "decision_table",
     "images",
     "batches",
     "device",
@@ -470,11 +472,21 @@ def eager_method(tower: nn.Module, workload: Workload, settings: BenchSettings) 
 def graph_method(
     tower: nn.Module, workload: Workload, settings: BenchSettings, mode: str = "full"
 ) -> Runner:
-    """Through :class:`EncoderGraphManager` on ``adapter_for(tower)``; captures lazily."""
+    """Through :class:`EncoderGraphManager` on ``adapter_for(tower)``; captures lazily.
+
+    An ``auto`` ladder is learned from the item sizes of every batch of the
+    workload, read without running the tower, as a dataset's sizes would be.
+    """
     manager = EncoderGraphManager(
         adapter_for(tower), mode=mode, **_manager_kwargs(settings.manager)
     )
     encoder = manager.encoder
+    manager.learn_budgets(
+        [
+            [spec.path_tokens for spec in encoder.item_specs(encoder.inputs_from_call(batch, {}))]
+            for batch in workload.batches
+        ]
+    )
 
     def step(index: int) -> object:
         return manager.execute(encoder.inputs_from_call(workload.batches[index], {}))
@@ -630,9 +642,14 @@ def measure(
         )
     if runner.manager is not None:
         stats = runner.manager.stats
+        decisions = runner.manager.decision_table()
+        for decision in decisions:
+            log.info("%s %s decision table: %s", workload.name, method.name, decision)
         row.update(
             padding_waste=stats.padding_waste,
             hit_rate=stats.hit_rate,
+            host_us_per_replay=stats.host_us_per_replay,
+            decision_table=decisions or None,
             capture_s=stats.capture_seconds,
             pool_bytes=stats.pool_bytes if cuda else None,
             status="ok" if cuda else CPU_PATH,
@@ -799,6 +816,7 @@ TABLE_COLUMNS = (
     ("vs_eager", "vs eager"),
     ("vs_exact", "vs exact"),
     ("padding_waste", "pad"),
+    ("host_us_per_replay", "host us"),
     ("capture_s", "capture s"),
     ("total_s", "total s"),
     ("pool_bytes", "pool MiB"),

@@ -9,7 +9,8 @@ validation and prediction, and puts the original back for training.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,12 +22,29 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_cg.adapters import adapter_for
+from lightning_cg.compiled import check_compile
 from lightning_cg.dispatcher import GraphMode
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, module_fingerprint
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager, GraphStats, module_fingerprint
+from lightning_cg.measured import check_dispatch
+from lightning_cg.parallel import execute_data_parallel
+from lightning_cg.piecewise import (
+    PiecewiseUnsupported,
+    check_piecewise_fallback,
+    check_splitting_ops,
+)
 from lightning_cg.progress import CaptureProgress
 
 STAGES = ("validate", "predict")
-BUDGET_FIELDS = ("min_budget", "max_budget", "budgets", "ladder", "ratio", "align")
+BUDGET_FIELDS = (
+    "min_budget",
+    "max_budget",
+    "budgets",
+    "ladder",
+    "ratio",
+    "align",
+    "k",
+    "auto_sample_batches",
+)
 #: Strategies that shard parameters: a graph would capture one shard's addresses.
 REFUSED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
@@ -43,13 +61,20 @@ class CUDAGraphCallback(Callback):
     tower's parameters keep their storage, dtype and device (optimizers update in
     place), and recaptured when any of these change.
 
+    Under DDP each rank captures its own graphs. Whether graphs are used is
+    agreed at the start of every run: a rank whose capture failed runs the rest
+    of its run eagerly, and from the next run on every rank does (mode ``none``).
+    Stats are summed over ranks.
+
     Args:
         module: dotted path of the tower inside the LightningModule.
         mode: ``none``, ``full``, ``full_uniform_only``, ``piecewise`` or
             ``full_and_piecewise`` (see README).
         budgets: budget choice for every path: keys ``min_budget``,
             ``max_budget``, ``budgets`` (an explicit ladder), ``ladder``
-            (``pow2`` or ``geometric``), ``ratio``, ``align``.
+            (``pow2``, ``geometric`` or ``auto``: learned from the first
+            batches), ``ratio``, ``align``, and for ``auto`` ``k`` (budgets) and
+            ``auto_sample_batches``.
         paths: per encoder path, the same keys as ``budgets``, overriding them.
         max_items_per_batch: most items in one graph; None derives it from the budgets.
         max_frames_per_batch: most attention sequences (video frames) in one graph.
@@ -59,6 +84,21 @@ class CUDAGraphCallback(Callback):
         verify: compare the first replay of every graph with eager; raise on a mismatch.
         adapter: ``packed`` or ``batched``; None picks one by the tower's type.
         packing: ``next_fit`` (greedy) or ``min_padding``.
+        splitting_ops: ops the PIECEWISE modes split the tower at, as
+            ``namespace::name``; None splits at attention (``scaled_dot_product_attention``
+            and the variable-length flash attention).
+        piecewise_fallback: when the tower cannot be split: ``error`` raises,
+            ``eager`` runs those batches eagerly, ``full`` uses FULL graphs.
+        encoder_data_parallel: for ranks that all receive the same batch (e.g.
+            ``Trainer(use_distributed_sampler=False)``, a model-parallel language
+            model): each rank encodes a share of every batch's items and the rows
+            are all-gathered over the default process group
+            (:func:`~lightning_cg.parallel.execute_data_parallel`). Off, or with
+            one process, every rank encodes its whole batch.
+        dispatch: ``budget`` (a graph wherever a budget fits) or ``measured``
+            (graphs timed against eager at capture; a sub-batch runs where it is
+            faster). Measuring needs CUDA.
+        compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
 
     Example::
 
@@ -80,6 +120,11 @@ class CUDAGraphCallback(Callback):
         verify: bool = False,
         adapter: str | None = None,
         packing: str = "next_fit",
+        splitting_ops: Sequence[str] | None = None,
+        piecewise_fallback: str = "error",
+        encoder_data_parallel: bool = False,
+        dispatch: str = "budget",
+        compile: bool = False,
     ) -> None:
         if not module or not all(part.isidentifier() for part in module.split(".")):
             raise ValueError(
@@ -109,6 +154,11 @@ class CUDAGraphCallback(Callback):
         self.verify = verify
         self.adapter = adapter
         self.packing = packing
+        self.splitting_ops = None if splitting_ops is None else check_splitting_ops(splitting_ops)
+        self.piecewise_fallback = check_piecewise_fallback(piecewise_fallback)
+        self.encoder_data_parallel = encoder_data_parallel
+        self.dispatch = check_dispatch(dispatch)
+        self.compile = check_compile(compile, self.mode)
         self.manager: EncoderGraphManager | None = None
         #: Stats of the last validation or predict run, summed over ranks.
         self.last_stats: dict[str, float] = {}
@@ -116,6 +166,10 @@ class CUDAGraphCallback(Callback):
         self._fingerprint: tuple | None = None
         self._swapped: dict | None = None
         self._told_cpu = False
+        #: The manager serving the current run: ``manager``, or the eager one.
+        self._run_manager: EncoderGraphManager | None = None
+        self._eager: EncoderGraphManager | None = None
+        self._capture_failed = False
 
     # ------------------------------------------------------------ set-up
 
@@ -139,10 +193,12 @@ class CUDAGraphCallback(Callback):
             self._tower = tower
             self.manager = self._build_manager(tower)
 
-    def _build_manager(self, tower: nn.Module) -> EncoderGraphManager:
+    def _build_manager(
+        self, tower: nn.Module, mode: GraphMode | None = None
+    ) -> EncoderGraphManager:
         return EncoderGraphManager(
             adapter_for(tower, self.adapter),
-            mode=self.mode,
+            mode=self.mode if mode is None else mode,
             budgets=self.budgets,
             path_budgets=self.path_budgets,
             max_items=self.max_items_per_batch,
@@ -150,6 +206,10 @@ class CUDAGraphCallback(Callback):
             packing=self.packing,
             verify=self.verify,
             progress=CaptureProgress(),
+            splitting_ops=self.splitting_ops,
+            piecewise_fallback=self.piecewise_fallback,
+            dispatch=self.dispatch,
+            compile=self.compile,
         )
 
     # -------------------------------------------------------- stage hooks
@@ -187,16 +247,20 @@ class CUDAGraphCallback(Callback):
     # ------------------------------------------------------------ swapping
 
     def _swap_in(self, trainer: pl.Trainer) -> None:
+        # A collective: every rank takes part before any of them may return.
+        graphs_usable = self._agree_graphs_usable(trainer)
         if self.manager is None or self._tower is None or self._swapped is not None:
             return
         self._recapture_if_changed()
         self._tell_once_without_cuda()
-        self.manager.reset_stats()
-        tower, manager = self._tower, self.manager
-        encoder = manager.encoder
+        self._run_manager = self.manager if graphs_usable else self._eager_manager()
+        self._run_manager.reset_stats()
+        tower, encoder, rank = self._tower, self.manager.encoder, trainer.global_rank
+        execute = self._executor(trainer)
 
         def graphed_forward(*args: Any, **kwargs: Any) -> Any:
-            return manager.execute(encoder.inputs_from_call(args, kwargs))
+            inputs = encoder.inputs_from_call(args, kwargs)
+            return execute(self._serving_manager(inputs, rank), inputs)
 
         # Remember an instance-level forward (another wrapper) to put it back as it was.
         self._swapped = {
@@ -204,6 +268,64 @@ class CUDAGraphCallback(Callback):
             "forward": tower.__dict__.get("forward"),
         }
         tower.forward = graphed_forward
+
+    def _agree_graphs_usable(self, trainer: pl.Trainer) -> bool:
+        """Whether every rank can use graphs this run; if not, all run mode ``none``."""
+        usable = self.manager is not None and not self._capture_failed
+        agreed = trainer.strategy.reduce_boolean_decision(usable, all=True)
+        if not agreed and self.manager is not None and self.mode is not GraphMode.NONE:
+            rank_zero_warn(
+                "CUDAGraphCallback: graph capture failed on at least one rank; every rank "
+                "runs the tower eagerly (mode 'none')."
+            )
+        return agreed
+
+    def _eager_manager(self) -> EncoderGraphManager:
+        if self.mode is GraphMode.NONE:
+            return self.manager
+        if self._eager is None:
+            self._eager = self._build_manager(self._tower, mode=GraphMode.NONE)
+        return self._eager
+
+    def _executor(self, trainer: pl.Trainer) -> Callable[[EncoderGraphManager, Any], Any]:
+        """``manager.execute``, or its data-parallel form over the default process group."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not (self.encoder_data_parallel and distributed and trainer.world_size > 1):
+            return EncoderGraphManager.execute
+        device = trainer.strategy.root_device
+        return lambda manager, inputs: execute_data_parallel(manager, inputs, device=device)
+
+    def _serving_manager(self, inputs: Any, rank: int) -> EncoderGraphManager:
+        """The run's manager, with this batch's graphs captured.
+
+        A capture that fails (out of memory, an op a graph cannot hold) turns
+        this rank eager for the rest of the run, without a collective, so no
+        rank waits on another; the ranks agree at the next swap-in.
+        """
+        manager = self._run_manager
+        if manager.mode is GraphMode.NONE or torch.is_grad_enabled():
+            return manager
+        specs = manager.encoder.item_specs(inputs)
+        paths = [path for path in manager.paths if any(s.path_tokens.get(path) for s in specs)]
+        if not paths:
+            return manager
+        try:
+            manager.capture(manager.encoder.graph_signature(inputs), paths)
+        except PiecewiseUnsupported:
+            raise  # piecewise_fallback="error" asked for it
+        except RuntimeError as error:
+            warnings.warn(
+                f"CUDAGraphCallback on rank {rank}: capturing graphs failed ({error}); this "
+                "rank runs the tower eagerly for the rest of the run, every rank from the next.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._capture_failed = True
+            manager.clear()
+            eager = self._eager_manager()
+            eager.stats = manager.stats  # the run's counters so far
+            self._run_manager = manager = eager
+        return manager
 
     def restore(self) -> None:
         """Put the tower's original forward back (safe to call at any time)."""
@@ -237,7 +359,7 @@ class CUDAGraphCallback(Callback):
         if self._swapped is None:
             return
         self.restore()
-        self.last_stats = reduce_stats(trainer, self.manager.stats.as_dict())
+        self.last_stats = reduce_stats(trainer, self._run_manager.stats.as_dict())
         metrics = {f"cudagraph/{name}": value for name, value in self.last_stats.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -270,20 +392,14 @@ def resolve_module(pl_module: nn.Module, path: str) -> nn.Module:
 
 def reduce_stats(trainer: pl.Trainer, stats: Mapping[str, float]) -> dict[str, float]:
     """Counters summed over ranks, rates recomputed from the sums."""
-    counters = {
-        name: value for name, value in stats.items() if name not in ("hit_rate", "padding_waste")
-    }
+    rates = GraphStats().rates()
+    counters = {name: value for name, value in stats.items() if name not in rates}
     totals = torch.tensor(
         list(counters.values()), dtype=torch.float64, device=trainer.strategy.root_device
     )
     totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()
     summed = dict(zip(counters, totals, strict=True))
-    runs = summed["hits"] + summed["misses"]
-    summed["hit_rate"] = summed["hits"] / runs if runs else 0.0
-    summed["padding_waste"] = (
-        summed["padded_tokens"] / summed["real_tokens"] if summed["real_tokens"] else 0.0
-    )
-    return summed
+    return {**summed, **GraphStats(**summed).rates()}
 
 
 def _budget_config(field: str, choice: Mapping[str, Any] | None) -> BudgetConfig:

@@ -8,9 +8,19 @@ buffers and padding the rest by the buffer's rule) or runs the path eagerly.
 Outputs are cloned out of the graph buffers and put back in item order.
 
 Graphs are captured lazily, the first time a batch with a new signature (the
-adapter's signature plus the autocast dtype) arrives: every FULL key of every
-path, largest budget first, into one shared memory pool. Without CUDA the same
-path runs (static buffers, padding, graph forward, scatter) without capture.
+adapter's signature plus the autocast dtype) arrives: every key of every path,
+largest budget first, into one shared memory pool. A FULL key captures the whole
+graph forward; a PIECEWISE key captures the pieces between its attention ops
+(see :mod:`lightning_cg.piecewise`), and attention runs eagerly at replay.
+Without CUDA the same path runs (static buffers, padding, graph forward or
+pieces, scatter) without capture.
+
+Three options trade set-up for speed: ``ladder="auto"`` learns each path's
+budgets from the item sizes of the first batches (:meth:`learn_budgets`);
+``dispatch="measured"`` times every graph against eager at capture and sends a
+sub-batch to a graph only where the graph is faster (:mod:`lightning_cg.measured`);
+``compile=True`` captures a ``torch.compile``'d graph forward
+(:mod:`lightning_cg.compiled`).
 
 The manager knows nothing of Lightning.
 """
@@ -18,17 +28,42 @@ The manager knows nothing of Lightning.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import time
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from lightning_cg.budgets import LADDERS, resolve_budgets
+from lightning_cg.budgets import (
+    AUTO_LADDER,
+    LADDERS,
+    choose_budgets,
+    expected_padding,
+    resolve_budgets,
+)
+from lightning_cg.compiled import CompiledEncoder, check_compile
 from lightning_cg.dispatcher import BatchDescriptor, CudagraphDispatcher, GraphMode
 from lightning_cg.encoder import CaptureSpec, GraphableEncoder, ItemSpec
+from lightning_cg.measured import (
+    Decision,
+    DecisionTable,
+    check_dispatch,
+    measure_decision_table,
+)
 from lightning_cg.packing import PACKING_STRATEGIES, pack_items
+from lightning_cg.piecewise import (
+    DEFAULT_SPLITTING_OPS,
+    PiecewiseGraph,
+    PiecewiseSplit,
+    PiecewiseUnsupported,
+    check_piecewise_fallback,
+    check_splitting_ops,
+    split_graph_forward,
+)
 
 #: Largest relative error ||replay - eager|| / ||eager|| that ``verify`` accepts.
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -36,7 +71,17 @@ VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e
 #: padded batch, which differ from eager by about 1e-3.
 TF32_TOLERANCE = 5e-3
 
+log = logging.getLogger(__name__)
+
 ProgressFn = Callable[[int, int, CaptureSpec], None]
+#: The mode a path falls back to when its tower cannot be split, by fallback and mode.
+_FALLBACK_MODES = {
+    "eager": {
+        GraphMode.PIECEWISE: GraphMode.NONE,
+        GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL_UNIFORM_ONLY,
+    },
+    "full": {GraphMode.PIECEWISE: GraphMode.FULL, GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL},
+}
 
 
 @dataclass(frozen=True)
@@ -47,9 +92,15 @@ class BudgetConfig:
         min_budget: smallest budget; None takes the adapter's default.
         max_budget: largest budget; None takes the adapter's default.
         budgets: an explicit ladder; overrides min/max.
-        ladder: ``pow2`` (double from min) or ``geometric`` (multiply by ratio).
+        ladder: ``pow2`` (double from min), ``geometric`` (multiply by ratio) or
+            ``auto`` (learned from the item sizes of the first batches; see
+            :func:`~lightning_cg.budgets.choose_budgets`).
         ratio: growth of the geometric ladder.
-        align: geometric budgets are rounded up to a multiple of this.
+        align: geometric budgets are rounded up to a multiple of this, auto
+            budgets to a multiple of ``gcd(align, min_budget)``.
+        k: most budgets of an auto ladder.
+        auto_sample_batches: an auto ladder is learned from this many first
+            batches; the ones before the last run eagerly.
     """
 
     min_budget: int | None = None
@@ -58,6 +109,8 @@ class BudgetConfig:
     ladder: str = "pow2"
     ratio: float = 1.25
     align: int = 16
+    k: int = 12
+    auto_sample_batches: int = 1
 
     def __post_init__(self) -> None:
         for name in ("min_budget", "max_budget"):
@@ -75,8 +128,18 @@ class BudgetConfig:
             raise ValueError(
                 f"budgets must be a non-empty list of positive integers; got {self.budgets!r}"
             )
-        if self.ladder not in LADDERS:
-            raise ValueError(f"ladder must be one of {', '.join(LADDERS)}; got {self.ladder!r}")
+        ladders = (*LADDERS, AUTO_LADDER)
+        if self.ladder not in ladders:
+            raise ValueError(f"ladder must be one of {', '.join(ladders)}; got {self.ladder!r}")
+        for name in ("k", "auto_sample_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {name}={value!r}")
+        if self.ladder == AUTO_LADDER and self.budgets is not None:
+            raise ValueError(
+                "budgets (an explicit ladder) and ladder='auto' exclude each other; "
+                f"got budgets={self.budgets!r}"
+            )
 
 
 @dataclass
@@ -84,10 +147,18 @@ class GraphStats:
     """Counters of one manager, reset by :meth:`EncoderGraphManager.reset_stats`.
 
     A hit is one path of one sub-batch served by a graph, a miss one that ran
-    eagerly. Padded tokens are the budget rows a replay computed beyond the real ones.
+    eagerly; piecewise hits are the hits served by PIECEWISE pieces. Padded
+    tokens are the budget rows a replay computed beyond the real ones. Graphs
+    count CUDA graphs: one per FULL key, one per piece of a PIECEWISE key.
+    Host seconds add up the host time of replays (metadata, copies, launch,
+    clone; nothing waits for the GPU); compile seconds the first graph forwards
+    of a compiled encoder. With ``dispatch="measured"``, measured eager counts
+    the path runs its table sent to eager though a graph fits, measured splits
+    the ones it split into smaller graphs.
     """
 
     hits: int = 0
+    piecewise_hits: int = 0
     misses: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
@@ -97,6 +168,10 @@ class GraphStats:
     sub_batches: int = 0
     items: int = 0
     tokens: int = 0
+    host_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    measured_eager: int = 0
+    measured_splits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -108,18 +183,37 @@ class GraphStats:
         """Padded tokens per real token served by graphs."""
         return self.padded_tokens / self.real_tokens if self.real_tokens else 0.0
 
+    @property
+    def host_us_per_replay(self) -> float:
+        """Host microseconds of one graph replay, on average."""
+        return 1e6 * self.host_seconds / self.hits if self.hits else 0.0
+
+    def rates(self) -> dict[str, float]:
+        """The stats derived from the counters (recomputed, not summed, over ranks)."""
+        return {
+            "hit_rate": self.hit_rate,
+            "padding_waste": self.padding_waste,
+            "host_us_per_replay": self.host_us_per_replay,
+        }
+
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "hit_rate": self.hit_rate, "padding_waste": self.padding_waste}
+        return {**asdict(self), **self.rates()}
 
 
 @dataclass
 class _Graph:
-    """Static buffers, output and (on CUDA) the captured graph of one key."""
+    """Static buffers of one key and how to run the tower on them.
+
+    ``run`` replays the FULL graph or the PIECEWISE pieces (without CUDA, runs
+    the graph forward or the pieces eagerly) on the buffers and returns the
+    output, which the next run overwrites.
+    """
 
     spec: CaptureSpec
     buffers: dict[str, torch.Tensor]
-    output: torch.Tensor | None = None
+    run: Callable[[], torch.Tensor]
     cuda_graph: torch.cuda.CUDAGraph | None = None
+    pieces: PiecewiseGraph | None = None
     verified: bool = False
 
 
@@ -152,6 +246,20 @@ class EncoderGraphManager:
         verify: compare the first replay of every graph with eager and raise on
             a mismatch beyond :data:`VERIFY_TOLERANCE`.
         progress: called after each capture as ``progress(done, total, spec)``.
+        splitting_ops: ops PIECEWISE graphs split the tower at, as
+            ``namespace::name``; None is
+            :data:`~lightning_cg.piecewise.DEFAULT_SPLITTING_OPS`.
+        piecewise_fallback: when a path cannot be split: ``error`` raises
+            :class:`~lightning_cg.piecewise.PiecewiseUnsupported` at capture;
+            ``eager`` runs its PIECEWISE batches eagerly; ``full`` serves them
+            with FULL graphs. Either fallback warns with the reason.
+        dispatch: ``budget`` replays the smallest fitting budget's graph;
+            ``measured`` times each graph and eager at capture and runs a
+            sub-batch in a graph only where that is faster, else eagerly or
+            split into smaller graphs (needs CUDA; without it, ``budget``).
+        compile: capture ``torch.compile(graph_forward, dynamic=True)``
+            (:class:`~lightning_cg.compiled.CompiledEncoder`); not with
+            PIECEWISE modes.
 
     Example:
         >>> manager = EncoderGraphManager(PackedEncoderAdapter(tower), mode="full")
@@ -170,6 +278,10 @@ class EncoderGraphManager:
         uniform_item_counts: Sequence[int] | None = None,
         verify: bool = False,
         progress: ProgressFn | None = None,
+        splitting_ops: Sequence[str] | None = None,
+        piecewise_fallback: str = "error",
+        dispatch: str = "budget",
+        compile: bool = False,
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
             raise TypeError(
@@ -184,13 +296,15 @@ class EncoderGraphManager:
             raise ValueError(
                 f"max_frames_per_batch must be >= 1 or None; got {max_frames_per_batch}"
             )
-        self.encoder = encoder
         self.mode = GraphMode.parse(mode)
-        if self.mode.requires_piecewise():
-            raise ValueError(
-                f"mode {self.mode.name.lower()!r} needs piecewise graphs, which this build "
-                "does not provide; allowed: none, full, full_uniform_only"
-            )
+        if check_compile(compile, self.mode):
+            encoder = CompiledEncoder(encoder, on_compile=self._count_compile_seconds)
+        self.encoder = encoder
+        self.dispatch = check_dispatch(dispatch)
+        self.splitting_ops = check_splitting_ops(
+            DEFAULT_SPLITTING_OPS if splitting_ops is None else splitting_ops
+        )
+        self.piecewise_fallback = check_piecewise_fallback(piecewise_fallback)
         self.config = encoder.graph_config()
         self.packing = packing
         self.verify = verify
@@ -199,9 +313,24 @@ class EncoderGraphManager:
         self._budget_configs = self._check_path_budgets(budgets or BudgetConfig(), path_budgets)
         self.max_items = self._resolve_max_items(max_items)
         self.paths = self._plan_paths(max_items, uniform_item_counts, max_frames_per_batch)
-        self._graphs: dict[tuple[Hashable, str, BatchDescriptor], _Graph] = {}
+        self._graphs: dict[tuple[Hashable, str, GraphMode, BatchDescriptor], _Graph] = {}
         self._graph_sets: set[Hashable] = set()
         self._pool: Any = None
+        #: Measured decision tables by graph set and path (``dispatch="measured"``).
+        self._tables: dict[tuple[Hashable, str], DecisionTable] = {}
+        self._told_measured_needs_cuda = False
+        #: Per auto path, the learned ladder, its expected padding and sample size.
+        self.learned_budgets: dict[str, dict[str, Any]] = {}
+        # The (min, max) budgets of each auto path, and the item tokens of the
+        # first batches until its ladder is learned.
+        self._auto_ranges = {
+            path: (self.paths[path].budgets[0], self.paths[path].budgets[-1])
+            for path, choice in self._budget_configs.items()
+            if choice.ladder == AUTO_LADDER
+        }
+        self._budget_sample: list[list[Mapping[str, int]]] | None = (
+            [] if self._auto_ranges else None
+        )
 
     # ------------------------------------------------------------------ setup
 
@@ -229,7 +358,8 @@ class EncoderGraphManager:
             max_budget,
             list(choice.budgets) if choice.budgets is not None else None,
             max_items,
-            ladder=choice.ladder,
+            # An auto ladder is pow2 until learn_budgets replaces it.
+            ladder="pow2" if choice.ladder == AUTO_LADDER else choice.ladder,
             ratio=choice.ratio,
             align=choice.align,
         )
@@ -266,59 +396,130 @@ class EncoderGraphManager:
     # ---------------------------------------------------------------- capture
 
     def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
-        """Capture every FULL key of ``paths`` (default: all) for one adapter signature.
+        """Capture every key of ``paths`` (default: all) for one adapter signature.
 
         Graphs are keyed by the signature and the current autocast dtype, and
         captured largest budget first into the manager's one memory pool. A path
         is captured once per signature; calls for captured paths do nothing.
+
+        Raises:
+            PiecewiseUnsupported: a path with PIECEWISE keys cannot be split and
+                ``piecewise_fallback`` is ``error``.
         """
+        if self._budget_sample is not None:
+            return  # captured at the learned budgets, once execute has learned them
         graph_set = (signature, _autocast_key())
         todo = [path for path in (paths or self.paths) if (graph_set, path) not in self._graph_sets]
         if not todo:
             return
-        specs = self._capture_specs(signature, todo)
         started = time.perf_counter()
         reserved_before = _reserved_bytes()
         with _graph_context():
-            for done, (desc, spec) in enumerate(specs, start=1):
-                self._graphs[(graph_set, spec.path, desc)] = self._capture_one(spec)
-                if self.progress is not None:
-                    self.progress(done, len(specs), spec)
+            try:
+                self._capture_keys(graph_set, signature, todo)
+            except PiecewiseUnsupported as error:
+                self._fall_back(todo, error)
+                self._capture_keys(graph_set, signature, todo)
+            if self.dispatch == "measured":
+                self._measure(graph_set, todo)
         if self._pool is not None:
             torch.cuda.synchronize()
         self.stats.capture_seconds += time.perf_counter() - started
         self.stats.pool_bytes += max(0, _reserved_bytes() - reserved_before)
         self._graph_sets.update((graph_set, path) for path in todo)
 
+    def _capture_keys(self, graph_set: Hashable, signature: Hashable, paths: list[str]) -> None:
+        """Capture the keys of ``paths`` that have no graph yet."""
+        specs = [
+            (runtime_mode, desc, spec)
+            for runtime_mode, desc, spec in self._capture_specs(signature, paths)
+            if (graph_set, spec.path, runtime_mode, desc) not in self._graphs
+        ]
+        for done, (runtime_mode, desc, spec) in enumerate(specs, start=1):
+            graph = self._capture_one(runtime_mode, spec)
+            self._graphs[(graph_set, spec.path, runtime_mode, desc)] = graph
+            if self.progress is not None:
+                self.progress(done, len(specs), spec)
+
     def _capture_specs(
         self, signature: Hashable, paths: Sequence[str]
-    ) -> list[tuple[BatchDescriptor, CaptureSpec]]:
+    ) -> list[tuple[GraphMode, BatchDescriptor, CaptureSpec]]:
         specs = []
         for path in paths:
             plan = self.paths[path]
             for runtime_mode, desc in plan.dispatcher.capture_descriptors():
-                if runtime_mode is not GraphMode.FULL:
-                    continue
                 items = desc.num_items or self.max_items
-                frames = plan.max_frames if desc.num_items is None else items * plan.item_frames
+                if runtime_mode is GraphMode.PIECEWISE:
+                    # Attention runs eagerly, so the metadata may hold every frame a
+                    # sub-batch can have, whatever limit FULL graphs keep to.
+                    frames = max(plan.max_frames, items * plan.item_frames)
+                elif desc.num_items is None:
+                    frames = plan.max_frames
+                else:
+                    frames = items * plan.item_frames
                 spec = CaptureSpec(path, desc.num_tokens, items, frames, signature)
-                specs.append((desc, spec))
+                specs.append((runtime_mode, desc, spec))
         # Largest first so smaller graphs reuse the pool blocks of larger ones.
-        specs.sort(key=lambda pair: -pair[1].token_budget)
+        specs.sort(key=lambda triple: -triple[2].token_budget)
         return specs
 
-    def _capture_one(self, spec: CaptureSpec) -> _Graph:
-        graph = _Graph(spec=spec, buffers=self.encoder.capture_inputs(spec))
-        if _on_cuda(graph.buffers):
-            graph.cuda_graph, graph.output = self._record(spec.path, graph.buffers)
-            self.stats.graphs += 1
-        return graph
+    def _capture_one(self, runtime_mode: GraphMode, spec: CaptureSpec) -> _Graph:
+        buffers = self.encoder.capture_inputs(spec)
+        pool = self._graph_pool() if _on_cuda(buffers) else None
+        if runtime_mode is GraphMode.PIECEWISE:
+            pieces = PiecewiseGraph(self._split_tower(spec.path, buffers), buffers, pool)
+            self.stats.graphs += pieces.num_graphs
+            return _Graph(spec, buffers, run=pieces.run, pieces=pieces)
+        if pool is None:
+            run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
+            return _Graph(spec, buffers, run=run)
+        cuda_graph, output = self._record(spec.path, buffers)
+        self.stats.graphs += 1
+        return _Graph(spec, buffers, run=_replayer(cuda_graph, output), cuda_graph=cuda_graph)
+
+    def _count_compile_seconds(self, seconds: float) -> None:
+        self.stats.compile_seconds += seconds
+
+    def _split_tower(self, path: str, buffers: dict[str, torch.Tensor]) -> PiecewiseSplit:
+        return split_graph_forward(
+            functools.partial(self.encoder.graph_forward, path),
+            buffers,
+            self.splitting_ops,
+            name=f"{type(self.encoder).__name__}.graph_forward on path {path!r}",
+        )
+
+    def _fall_back(self, paths: Sequence[str], error: PiecewiseUnsupported) -> None:
+        """Give ``paths`` a mode without PIECEWISE keys, or raise ``error``."""
+        if self.piecewise_fallback == "error":
+            raise error
+        mode = _FALLBACK_MODES[self.piecewise_fallback][self.mode]
+        warnings.warn(
+            f"{error}; paths {list(paths)} fall back to mode {mode.value!r} "
+            f"(piecewise_fallback={self.piecewise_fallback!r})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        for path in paths:
+            plan = self.paths[path]
+            plan.dispatcher = CudagraphDispatcher(
+                mode, plan.budgets, plan.dispatcher.uniform_item_counts
+            )
+        # Graph sets of other signatures recapture what the new mode needs.
+        self._graph_sets = {key for key in self._graph_sets if key[1] not in paths}
+        self._graphs = {
+            key: graph
+            for key, graph in self._graphs.items()
+            if key[1] not in paths or key[2] is not GraphMode.PIECEWISE
+        }
+
+    def _graph_pool(self) -> Any:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def _record(
         self, path: str, buffers: dict[str, torch.Tensor]
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         # Warm up on a side stream so lazy initialisation (cuBLAS handles,
         # autotuning) stays out of the graph.
         side = torch.cuda.Stream()
@@ -328,7 +529,7 @@ class EncoderGraphManager:
                 self.encoder.graph_forward(path, buffers)
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self._pool):
+        with torch.cuda.graph(cuda_graph, pool=self._graph_pool()):
             output = self.encoder.graph_forward(path, buffers)
         return cuda_graph, output
 
@@ -356,6 +557,9 @@ class EncoderGraphManager:
             self._run_sub_batch(None, inputs, list(range(len(specs))), specs, outputs)
             return outputs
         signature = self.encoder.graph_signature(inputs)
+        if self._sampling_budgets(specs):
+            self._run_sub_batch(None, inputs, list(range(len(specs))), specs, outputs)
+            return outputs
         with _graph_context():
             for indices in self._pack(specs):
                 sub_inputs = self.encoder.select_items(inputs, indices)
@@ -399,11 +603,20 @@ class EncoderGraphManager:
             # Captured at a path's first use: an optional path that never has
             # tokens (a global view that is off) costs no graphs.
             self.capture(signature, [path])
-        graph, key = self._lookup(path, (signature, _autocast_key()), specs, tokens)
+        graph_set = (signature, _autocast_key())
+        decision = self._decide(graph_set, path, tokens)
+        if decision is not None and decision.runner == "split":
+            self.stats.measured_splits += 1
+            return self._run_parts(path, signature, inputs, specs, decision.parts)
+        graph, key = self._lookup(path, graph_set, specs, tokens)
+        if graph is not None and decision is not None and decision.runner == "eager":
+            self.stats.measured_eager += 1
+            graph = None
         if graph is None:
             self.stats.misses += 1
             return self._split(self._eager(path, inputs, specs), path, specs)
         self.stats.hits += 1
+        self.stats.piecewise_hits += graph.pieces is not None
         self.stats.real_tokens += total
         self.stats.padded_tokens += key.num_tokens - total
         rows = self._replay(graph, path, inputs, total)
@@ -418,29 +631,41 @@ class EncoderGraphManager:
         desc = BatchDescriptor(sum(tokens), len(tokens), uniform=len(set(tokens)) == 1)
         frames = sum(spec.num_frames for spec in specs)
         runtime_mode, key = plan.dispatcher.dispatch(desc)
-        graph = self._graphs.get((graph_set, path, key)) if runtime_mode is GraphMode.FULL else None
-        if graph is not None and frames > graph.spec.max_frames:
-            # More attention sequences than the graph's metadata holds.
-            runtime_mode, key = plan.dispatcher.dispatch(desc, disable_full=True)
-            graph = None
-        if runtime_mode is GraphMode.FULL and graph is None:
-            raise RuntimeError(f"no captured graph for FULL key {key} on path {path!r}")
+        if runtime_mode is GraphMode.FULL:
+            graph = self._captured(graph_set, path, runtime_mode, key)
+            if frames > graph.spec.max_frames:
+                # More attention sequences than the graph's metadata holds.
+                runtime_mode, key = plan.dispatcher.dispatch(desc, disable_full=True)
+        if runtime_mode is GraphMode.NONE:
+            return None, None
+        graph = self._captured(graph_set, path, runtime_mode, key)
+        if frames > graph.spec.max_frames:
+            # Only items with more frames than max_frames_per_item get here.
+            return None, None
         return graph, key
 
+    def _captured(
+        self, graph_set: Hashable, path: str, runtime_mode: GraphMode, key: BatchDescriptor
+    ) -> _Graph:
+        graph = self._graphs.get((graph_set, path, runtime_mode, key))
+        if graph is None:
+            raise RuntimeError(
+                f"no captured graph for {runtime_mode.name} key {key} on path {path!r}"
+            )
+        return graph
+
     def _replay(self, graph: _Graph, path: str, inputs: Any, total: int) -> torch.Tensor:
+        started = time.perf_counter()
         real = self.encoder.replay_inputs(path, inputs)
         missing = sorted(set(graph.buffers) - set(real))
         if missing:
             raise RuntimeError(f"replay_inputs for path {path!r} lacks buffer(s) {missing}")
         for name, buffer in graph.buffers.items():
             self._fill(name, buffer, real[name])
-        if graph.cuda_graph is not None:
-            graph.cuda_graph.replay()
-            output = graph.output
-        else:
-            output = self.encoder.graph_forward(path, graph.buffers)
         # Clone: the next replay overwrites the graph's output buffer.
-        return output[:total].clone()
+        rows = graph.run()[:total].clone()
+        self.stats.host_seconds += time.perf_counter() - started
+        return rows
 
     def _fill(self, name: str, buffer: torch.Tensor, rows: torch.Tensor) -> None:
         count = rows.shape[0]
@@ -499,6 +724,126 @@ class EncoderGraphManager:
             )
         graph.verified = True
 
+    # ------------------------------------------ learned budgets, measured dispatch
+
+    def learn_budgets(self, batches: Sequence[Sequence[Mapping[str, int]]]) -> dict[str, list[int]]:
+        """Learn the ladder of every ``auto`` path from a sample of batches.
+
+        The batches are packed as :meth:`execute` packs them (``next_fit`` at the
+        largest budgets), and each auto path gets the ``k`` budgets that pad the
+        sub-batches least (:func:`~lightning_cg.budgets.choose_budgets`); graphs
+        captured before are dropped. The manager calls this itself on its first
+        ``auto_sample_batches`` batches unless it was called before, e.g. with
+        sizes a dataset gives without reading pixels.
+
+        Args:
+            batches: per batch, per item, the tokens on each path, as
+                ``ItemSpec.path_tokens``, e.g. ``[[{"local": 256}, {"local": 1024}]]``.
+
+        Returns:
+            The learned ladder of each auto path (empty without one).
+        """
+        self._budget_sample = None
+        if not self._auto_ranges:
+            return {}
+        max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
+        sums: dict[str, list[int]] = {path: [] for path in self._auto_ranges}
+        for batch in batches:
+            for sub_batch in pack_items(batch, self.max_items, max_budgets):
+                for path, path_sums in sums.items():
+                    path_sums.append(sum(batch[i].get(path, 0) for i in sub_batch))
+        for path, (min_budget, max_budget) in self._auto_ranges.items():
+            choice, plan = self._budget_configs[path], self.paths[path]
+            budgets = choose_budgets(sums[path], choice.k, min_budget, max_budget, choice.align)
+            plan.budgets = budgets
+            plan.ladder = ([0] if plan.allow_zero_tokens else []) + budgets
+            plan.dispatcher = CudagraphDispatcher(
+                plan.dispatcher.mode, budgets, plan.dispatcher.uniform_item_counts
+            )
+            padding = expected_padding(sums[path], budgets)
+            self.learned_budgets[path] = {
+                "budgets": budgets,
+                "expected_padding": padding,
+                "sampled_sub_batches": len(sums[path]),
+            }
+            log.info(
+                "auto budgets of path %r: %s, expected padding %.1f%% on %d sampled sub-batches",
+                path,
+                budgets,
+                100 * padding,
+                len(sums[path]),
+            )
+        self.clear()
+        return {path: self.paths[path].budgets for path in self._auto_ranges}
+
+    def _sampling_budgets(self, specs: list[ItemSpec]) -> bool:
+        """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
+        if self._budget_sample is None or not specs:
+            return False
+        self._budget_sample.append([spec.path_tokens for spec in specs])
+        wanted = max(self._budget_configs[path].auto_sample_batches for path in self._auto_ranges)
+        if len(self._budget_sample) < wanted:
+            return True
+        self.learn_budgets(self._budget_sample)
+        return False
+
+    def decision_table(self) -> list[dict[str, Any]]:
+        """Rows of the measured decision tables: per path and budget, graph and eager ms.
+
+        Empty unless ``dispatch="measured"`` has timed graphs (CUDA only).
+        """
+        return [
+            {"path": path, "signature": str(graph_set[0]), **row}
+            for (graph_set, path), table in self._tables.items()
+            for row in table.rows()
+        ]
+
+    def _measure(self, graph_set: Hashable, paths: Sequence[str]) -> None:
+        """Time the captured graphs of ``paths`` against eager into decision tables."""
+        if self._pool is None:
+            if not self._told_measured_needs_cuda:
+                warnings.warn(
+                    "dispatch='measured' times CUDA graphs, and none were captured (no CUDA): "
+                    "sub-batches use the graph path as with dispatch='budget'",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self._told_measured_needs_cuda = True
+            return
+        # Eager means the tower as it is, not compiled.
+        eager = self.encoder.encoder if isinstance(self.encoder, CompiledEncoder) else self.encoder
+        for path in paths:
+            graphs = [
+                (key.num_tokens, graph.buffers, graph.run)
+                for (owner, graph_path, _, key), graph in self._graphs.items()
+                if owner == graph_set and graph_path == path
+            ]
+            if graphs:
+                self._tables[(graph_set, path)] = measure_decision_table(
+                    graphs, functools.partial(eager.graph_forward, path)
+                )
+
+    def _decide(self, graph_set: Hashable, path: str, tokens: list[int]) -> Decision | None:
+        table = self._tables.get((graph_set, path))
+        return None if table is None else table.choose(tokens)
+
+    def _run_parts(
+        self,
+        path: str,
+        signature: Hashable,
+        inputs: Any,
+        specs: list[ItemSpec],
+        parts: Sequence[Sequence[int]],
+    ) -> list[torch.Tensor | None]:
+        """Run ``path`` on groups of the sub-batch's items, each as a sub-batch of its own."""
+        rows: list[torch.Tensor | None] = [None] * len(specs)
+        for part in parts:
+            part_inputs = self.encoder.select_items(inputs, part)
+            part_rows = self._run_path(path, signature, part_inputs, [specs[i] for i in part])
+            for index, item_rows in zip(part, part_rows, strict=True):
+                rows[index] = item_rows
+        return rows
+
     # ------------------------------------------------------------- lifecycle
 
     def is_captured(self) -> bool:
@@ -510,6 +855,7 @@ class EncoderGraphManager:
         self._graphs.clear()
         self._graph_sets.clear()
         self._pool = None
+        self._tables.clear()
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
 
@@ -519,6 +865,7 @@ class EncoderGraphManager:
             graphs=self.stats.graphs,
             capture_seconds=self.stats.capture_seconds,
             pool_bytes=self.stats.pool_bytes,
+            compile_seconds=self.stats.compile_seconds,
         )
 
 
@@ -580,6 +927,14 @@ def _graph_context() -> Iterator[None]:
         for device, dtype in _autocast_key():
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
         yield
+
+
+def _replayer(cuda_graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def replay() -> torch.Tensor:
+        cuda_graph.replay()
+        return output
+
+    return replay
 
 
 def _on_cuda(buffers: Mapping[str, torch.Tensor]) -> bool:

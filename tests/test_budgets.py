@@ -1,8 +1,21 @@
+import itertools
+import math
+import random
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_cg.budgets import generate_budgets, resolve_budgets, smallest_fitting_budget
+from lightning_cg.budgets import (
+    choose_budgets,
+    expected_padding,
+    generate_budgets,
+    learn_budgets,
+    resolve_budgets,
+    smallest_fitting_budget,
+    sub_batch_sums,
+)
+from lightning_cg.packing import pack_items
 
 
 @pytest.mark.parametrize(
@@ -184,3 +197,136 @@ def test_resolve_neither_given_forwards_ladder_arguments():
 def test_resolve_errors_name_the_field(args, kwargs, field):
     with pytest.raises(ValueError, match=field):
         resolve_budgets(*args, **kwargs)
+
+
+# ------------------------------------------------------------- learned ladders
+
+
+def padding(sums, budgets):
+    ladder = sorted(budgets)
+    return sum(smallest_fitting_budget(t, ladder) - t for t in sums if 0 < t <= ladder[-1])
+
+
+#: Batches of item sizes: 1 to 8 items of 1 to 3000 tokens, sometimes above the max.
+batches_of_sizes = st.lists(st.lists(st.integers(0, 3000), min_size=1, max_size=8), max_size=12)
+
+
+@given(
+    sample=batches_of_sizes,
+    min_budget=st.sampled_from([16, 32, 64, 128]),
+    max_budget=st.integers(256, 4096),
+    max_items=st.integers(1, 16),
+    ladder=st.sampled_from(["pow2", "geometric"]),
+)
+def test_auto_ladder_never_pads_more_than_pow2_or_geometric(
+    sample, min_budget, max_budget, max_items, ladder
+):
+    reference = generate_budgets(min_budget, max_budget, ladder, ratio=1.25, align=16)
+    learned = learn_budgets(sample, len(reference), min_budget, max_budget, max_items, align=16)
+    sums = sub_batch_sums(sample, max_budget, max_items)
+    assert padding(sums, learned) <= padding(sums, reference)
+    assert expected_padding(sums, learned) <= expected_padding(sums, reference)
+    assert len(learned) <= len(reference)
+
+
+@given(
+    sample=batches_of_sizes,
+    min_budget=st.integers(1, 300),
+    max_budget=st.integers(300, 4096),
+    max_items=st.integers(1, 16),
+    align=st.sampled_from([1, 8, 16]),
+)
+def test_auto_ladder_never_pads_more_than_pow2_for_any_min_budget(
+    sample, min_budget, max_budget, max_items, align
+):
+    # Odd minimums (batch-first towers start at 1) shrink the alignment to gcd(align, min).
+    reference = generate_budgets(min_budget, max_budget)
+    learned = learn_budgets(sample, len(reference), min_budget, max_budget, max_items, align)
+    sums = sub_batch_sums(sample, max_budget, max_items)
+    assert padding(sums, learned) <= padding(sums, reference)
+
+
+@settings(max_examples=60)
+@given(
+    sums=st.lists(st.integers(1, 1024), max_size=30),
+    k=st.integers(1, 5),
+    min_budget=st.sampled_from([8, 16, 48]),
+    align=st.sampled_from([1, 16]),
+)
+def test_auto_ladder_is_the_best_ladder_by_exhaustive_search(sums, k, min_budget, align):
+    max_budget = 1024
+    step = math.gcd(align, min_budget)
+    # Every rung a ladder may have: min, max and the multiples of the step between.
+    rungs = sorted({min_budget, max_budget, *range(step * -(-min_budget // step), 1024, step)})
+    useful = sorted({smallest_fitting_budget(t, rungs) for t in sums} | {max_budget})
+    best = min(
+        padding(sums, [*ladder, max_budget])
+        for size in range(min(k, len(useful)))
+        for ladder in itertools.combinations(useful[:-1], size)
+    )
+    learned = choose_budgets(sums, k, min_budget, max_budget, align)
+    assert padding(sums, learned) == best
+
+
+@given(sample=batches_of_sizes, k=st.integers(1, 20), max_budget=st.integers(64, 4096))
+def test_auto_ladder_shape(sample, k, max_budget):
+    learned = learn_budgets(sample, k, 16, max_budget, max_items=8)
+    assert learned[-1] == max_budget
+    assert len(learned) <= k
+    assert all(16 <= a < b for a, b in zip(learned, learned[1:], strict=False))
+    assert all(budget % 16 == 0 for budget in learned[:-1])
+
+
+def test_auto_ladder_fills_unused_rungs_geometrically():
+    # One sub-batch of 100 tokens needs two rungs; the other six split the widest gaps.
+    learned = learn_budgets([100], 8, 16, 4096, max_items=4)
+    assert len(learned) == 8 and 112 in learned and learned[-1] == 4096
+    assert learn_budgets([], 3, 16, 1024, max_items=4) == [16, 128, 1024]
+
+
+def test_auto_ladder_is_deterministic():
+    rng = random.Random(0)
+    sample = [[rng.randrange(1, 2000) for _ in range(rng.randrange(1, 6))] for _ in range(40)]
+    first = learn_budgets(sample, 12, 64, 16384, max_items=16)
+    shuffled = [sorted(batch, reverse=True) for batch in reversed(sample)]
+    assert learn_budgets(sample, 12, 64, 16384, max_items=16) == first
+    assert learn_budgets(shuffled, 12, 64, 16384, max_items=16) == first
+    assert len(first) == 12
+
+
+def test_auto_ladder_accepts_one_batch_or_many():
+    assert learn_budgets([100, 200], 4, 16, 1024, 8) == learn_budgets([[100, 200]], 4, 16, 1024, 8)
+
+
+@given(sample=batches_of_sizes, max_budget=st.integers(64, 4096), max_items=st.integers(1, 16))
+def test_sub_batch_sums_match_next_fit_packing(sample, max_budget, max_items):
+    expected = []
+    for batch in sample:
+        items = [{"p": tokens} for tokens in batch]
+        for sub_batch in pack_items(items, max_items, {"p": max_budget}):
+            total = sum(batch[i] for i in sub_batch)
+            if 0 < total <= max_budget:
+                expected.append(total)
+    assert sub_batch_sums(sample, max_budget, max_items) == expected
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, True, None])
+def test_auto_ladder_rejects_k_below_one(k):
+    with pytest.raises(ValueError, match=r"k must be a positive integer.*got k="):
+        learn_budgets([100], k, 16, 1024, 8)
+    with pytest.raises(ValueError, match="k must be"):
+        choose_budgets([100], k, 16, 1024)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (([1], 2, 0, 64, 4), "min_budget"),
+        (([1], 2, 16, 8, 4), "min_budget"),
+        (([1], 2, 16, 64, 0), "max_items"),
+        (([-1], 2, 16, 64, 4), "sample_tokens"),
+    ],
+)
+def test_auto_ladder_errors_name_the_field(args, field):
+    with pytest.raises(ValueError, match=field):
+        learn_budgets(*args)

@@ -219,3 +219,15 @@ def test_default_ladder_starts_at_the_adapters_minimum():
     manager = EncoderGraphManager(BatchedEncoderAdapter(torch.nn.Linear(4, 4), max_batch_size=64))
     assert manager.paths["image"].budgets == [1, 2, 4, 8, 16, 32, 64]
     assert manager.max_items == 64
+
+
+def test_host_time_per_replay_is_counted():
+    manager = manager_for(ToyTower().eval(), budgets=BudgetConfig(budgets=[16, 64]))
+    with torch.no_grad():
+        for seed in range(3):
+            run(manager, *make_batch(random.Random(seed), [5, 7]))
+    stats = manager.stats
+    assert stats.hits == 3 and stats.host_seconds > 0
+    assert stats.as_dict()["host_us_per_replay"] == pytest.approx(1e6 * stats.host_seconds / 3)
+    manager.reset_stats()
+    assert manager.stats.host_us_per_replay == 0.0

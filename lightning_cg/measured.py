@@ -1,0 +1,276 @@
+"""Measured dispatch: run a sub-batch in a graph only where the graph is faster.
+
+A graph of budget ``B`` costs about the same whatever the real tokens ``T <= B``
+of a sub-batch: padding is computed too. Eager costs grow with ``T``. So for
+small towers a graph wins almost everywhere (the CPU cannot launch kernels fast
+enough), while for GPU-bound batches a graph padded well past ``T`` can lose to
+eager (DESIGN.md: 2.5x slower at 9440 of 16384 tokens).
+
+:class:`DecisionTable` holds, for one encoder path, the measured cost of
+replaying each budget's graph (copies in and the clone out included) and of
+the eager forward at a few token counts, and chooses per sub-batch the cheapest
+of: the graph of the smallest fitting budget, eager, or a split of the items
+into groups that fit smaller budgets. The table logic is pure Python;
+:func:`measure_decision_table` fills a table on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_cg.budgets import smallest_fitting_budget
+
+#: Dispatch policies of the manager: ``budget`` replays the smallest fitting
+#: budget's graph whenever one exists; ``measured`` consults a DecisionTable.
+DISPATCHES = ("budget", "measured")
+#: Runners a :class:`Decision` names.
+RUNNERS = ("graph", "eager", "split")
+#: Decisions a table remembers, by the item tokens of a sub-batch.
+_CACHE_SIZE = 4096
+
+
+def check_dispatch(dispatch: str) -> str:
+    """``dispatch`` if it names a policy of :data:`DISPATCHES`.
+
+    Raises:
+        ValueError: it does not; the message lists the allowed names.
+    """
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}; got {dispatch!r}")
+    return dispatch
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one path of one sub-batch runs, and what the table expects it to cost.
+
+    Attributes:
+        runner: ``graph`` (replay ``budget``'s graph), ``eager``, or ``split``
+            (run each of ``parts`` as a sub-batch of its own).
+        cost_ms: the table's estimate.
+        budget: the graph's budget; None unless ``runner`` is ``graph``.
+        parts: groups of item positions in the sub-batch; empty unless ``split``.
+    """
+
+    runner: str
+    cost_ms: float
+    budget: int | None = None
+    parts: tuple[tuple[int, ...], ...] = field(default=())
+
+
+class DecisionTable:
+    """Graph or eager, by measured cost, for the sub-batches of one encoder path.
+
+    Args:
+        graph_ms: milliseconds of one replay of each budget's graph, copies
+            into its buffers and the clone of its output included.
+        eager_ms: ``(tokens, milliseconds)`` of the eager forward at a few token
+            counts. Costs in between are interpolated linearly, below the first
+            held at the first, above the last extrapolated along the last
+            segment; more tokens never cost less (a running maximum evens out noise).
+
+    Example:
+        >>> table = DecisionTable({256: 1.0, 1024: 4.0}, [(256, 3.0), (1024, 3.5)])
+        >>> table.choose([100]).runner, table.choose([900]).runner
+        ('graph', 'eager')
+    """
+
+    def __init__(
+        self, graph_ms: Mapping[int, float], eager_ms: Iterable[tuple[int, float]]
+    ) -> None:
+        eager_points = sorted(eager_ms)
+        if not graph_ms or not all(
+            isinstance(b, int) and b > 0 and _is_cost(ms) for b, ms in graph_ms.items()
+        ):
+            raise ValueError(
+                "graph_ms must map positive integer budgets to non-negative milliseconds "
+                f"(got graph_ms={dict(graph_ms)!r})"
+            )
+        if not eager_points or not all(
+            isinstance(t, int) and t > 0 and _is_cost(ms) for t, ms in eager_points
+        ):
+            raise ValueError(
+                "eager_ms must be (positive tokens, non-negative milliseconds) pairs "
+                f"(got eager_ms={eager_points!r})"
+            )
+        self.graph_ms = dict(sorted(graph_ms.items()))
+        self.budgets = list(self.graph_ms)
+        self.eager_points: list[tuple[int, float]] = []
+        for tokens, ms in eager_points:
+            highest = self.eager_points[-1][1] if self.eager_points else 0.0
+            if self.eager_points and self.eager_points[-1][0] == tokens:
+                self.eager_points[-1] = (tokens, max(ms, highest))
+            else:
+                self.eager_points.append((tokens, max(ms, highest)))
+        self._decisions: dict[tuple[int, ...], Decision] = {}
+
+    def eager_cost(self, tokens: int) -> float:
+        """Estimated milliseconds of the eager forward on ``tokens`` tokens."""
+        points = self.eager_points
+        index = bisect_left(points, (tokens, -math.inf))
+        if index < len(points) and points[index][0] == tokens:
+            return points[index][1]
+        if index == 0:
+            return points[0][1]
+        if index == len(points):
+            if len(points) == 1:
+                return points[0][1] * tokens / points[0][0]
+            index -= 1
+        (low_tokens, low_ms), (high_tokens, high_ms) = points[index - 1], points[index]
+        slope = (high_ms - low_ms) / (high_tokens - low_tokens)
+        return low_ms + slope * (tokens - low_tokens)
+
+    def choose(self, item_tokens: Sequence[int]) -> Decision:
+        """The cheapest way to run a sub-batch of items with these token counts.
+
+        Options, in order of preference on equal cost: eager; the graph of the
+        smallest budget that fits the sum; a split into groups that each fit a
+        smaller budget (items smallest first, as packing fills sub-batches),
+        each group costed at its own best of graph and eager.
+        """
+        key = tuple(item_tokens)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self._choose(key)
+            if len(self._decisions) >= _CACHE_SIZE:
+                self._decisions.clear()
+            self._decisions[key] = decision
+        return decision
+
+    def _choose(self, item_tokens: tuple[int, ...]) -> Decision:
+        total = sum(item_tokens)
+        options = [Decision("eager", self.eager_cost(total))]
+        budget = smallest_fitting_budget(total, self.budgets)
+        if budget is not None:
+            options.append(Decision("graph", self.graph_ms[budget], budget=budget))
+            options += self._splits(item_tokens, budget)
+        return min(options, key=lambda option: option.cost_ms)
+
+    def _splits(self, item_tokens: tuple[int, ...], budget: int) -> list[Decision]:
+        order = sorted(range(len(item_tokens)), key=lambda i: item_tokens[i])
+        largest = item_tokens[order[-1]]
+        splits = []
+        for cap in self.budgets[: self.budgets.index(budget)]:
+            if cap < largest:
+                continue
+            parts: list[list[int]] = []
+            room = 0
+            for index in order:
+                if parts and item_tokens[index] <= room:
+                    parts[-1].append(index)
+                    room -= item_tokens[index]
+                else:
+                    parts.append([index])
+                    room = cap - item_tokens[index]
+            cost = sum(self._best_single(sum(item_tokens[i] for i in part)) for part in parts)
+            splits.append(Decision("split", cost, parts=tuple(tuple(part) for part in parts)))
+        return splits
+
+    def _best_single(self, tokens: int) -> float:
+        budget = smallest_fitting_budget(tokens, self.budgets)
+        eager = self.eager_cost(tokens)
+        return eager if budget is None else min(eager, self.graph_ms[budget])
+
+    def graph_wins_from(self, budget: int) -> int | None:
+        """The fewest tokens for which ``budget``'s graph beats eager, or None.
+
+        Only token counts that ``budget`` is the smallest fitting budget of
+        count; eager costs never fall with more tokens, so the graph wins from
+        there up to ``budget``.
+        """
+        position = self.budgets.index(budget)
+        low = self.budgets[position - 1] + 1 if position else 1
+        graph = self.graph_ms[budget]
+        if self.eager_cost(budget) <= graph:
+            return None
+        high = budget
+        while low < high:
+            middle = (low + high) // 2
+            if self.eager_cost(middle) > graph:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def rows(self) -> list[dict[str, float | int | None]]:
+        """One row per budget: graph and eager milliseconds, and where the graph wins."""
+        return [
+            {
+                "budget": budget,
+                "graph_ms": graph,
+                "eager_ms": self.eager_cost(budget),
+                "graph_wins_from": self.graph_wins_from(budget),
+            }
+            for budget, graph in self.graph_ms.items()
+        ]
+
+
+def _is_cost(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
+# ------------------------------------------------------------------- timing
+
+
+def time_ms(run: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
+    """Mean milliseconds of ``run()`` on the current CUDA stream, timed by CUDA events.
+
+    Runs back to back, so what is timed is what limits a stream of them: the
+    GPU, or the CPU launching its kernels.
+    """
+    for _ in range(warmup):
+        run()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def measure_decision_table(
+    graphs: Iterable[tuple[int, Mapping[str, torch.Tensor], Callable[[], torch.Tensor]]],
+    eager_forward: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+    repeats: int = 10,
+) -> DecisionTable:
+    """Time the graphs of one path and the eager forward at their budgets.
+
+    A graph's cost is its replay with every input buffer rewritten and the
+    output cloned, as the manager replays it; where a budget has several graphs
+    (exact keys), the slowest counts. The eager cost at a budget is
+    ``eager_forward`` on that graph's buffers: the tower on the budget's tokens.
+
+    Args:
+        graphs: ``(budget, buffers, run)`` of each captured graph of the path,
+            ``run`` replaying it and returning its output buffer.
+        eager_forward: the path's graph forward, run eagerly on a buffer dict.
+        repeats: timed runs per measurement.
+
+    Returns:
+        The path's table.
+    """
+    graph_ms: dict[int, float] = {}
+    eager_ms: dict[int, float] = {}
+    for budget, buffers, run in graphs:
+        sources = {name: buffer.clone() for name, buffer in buffers.items()}
+
+        def replay(
+            buffers: Mapping[str, torch.Tensor] = buffers,
+            sources: Mapping[str, torch.Tensor] = sources,
+            run: Callable[[], torch.Tensor] = run,
+        ) -> torch.Tensor:
+            for name, buffer in buffers.items():
+                buffer.copy_(sources[name], non_blocking=True)
+            return run().clone()
+
+        graph_ms[budget] = max(graph_ms.get(budget, 0.0), time_ms(replay, repeats))
+        if budget not in eager_ms:
+            eager_ms[budget] = time_ms(lambda buffers=buffers: eager_forward(buffers), repeats)
+    return DecisionTable(graph_ms, list(eager_ms.items()))
