@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One batched call on the GPU machine: Hydra wheels, then the given steps.
-# Usage there: bash scripts/device_run.sh cuda-tests demo bench-quick bench-full
+# One batched call on the GPU machine (see BENCHMARKS.md): Hydra wheels, then steps.
+# Usage there: bash scripts/device_run.sh cuda-tests "bench:NAME:OVERRIDES..." ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -10,9 +10,16 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
-    cuda-tests) python3 -m pytest -m cuda -q -p no:cacheprovider -x --timeout=300 2>&1 | tee "$OUT/cuda-tests.log" | tail -25 ;;
-    demo) python3 scripts/predict.py trainer=gpu compare_eager=true hydra.run.dir=/tmp/hydra 2>&1 | tail -22 ;;
-    bench-quick) python3 scripts/bench.py quick=true output="$OUT/bench-quick.json" plot="$OUT/bench-quick.png" hydra.run.dir=/tmp/hydra 2>&1 | tail -40 ;;
-    bench-*) python3 scripts/bench.py "workloads=[${step#bench-}]" output="$OUT/bench-${step#bench-}.json" plot="$OUT/bench-${step#bench-}.png" hydra.run.dir=/tmp/hydra 2>&1 | tail -40 ;;
+    cuda-tests)
+      python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=300 > "$OUT/cuda-tests.log" 2>&1
+      grep -E "passed|failed|FAILED|ERROR" "$OUT/cuda-tests.log" | tail -30 ;;
+    demo)
+      python3 scripts/predict.py trainer=gpu compare_eager=true hydra.run.dir=/tmp/hydra 2>&1 | tail -22 ;;
+    bench:*)
+      IFS=: read -r _ name overrides <<< "$step"
+      # shellcheck disable=SC2086
+      python3 scripts/bench.py $overrides output="$OUT/$name.json" plot="$OUT/$name.png" \
+        hydra.run.dir=/tmp/hydra > "$OUT/$name.log" 2>&1
+      tail -45 "$OUT/$name.log" ;;
   esac
 done
