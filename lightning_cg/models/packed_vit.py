@@ -278,9 +278,9 @@ class PackedViT(nn.Module):
         rotary_dim = self.config.head_dim // 2  # per axis
         exponents = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
         inv_freq = _ROPE_THETA**-exponents  # (head_dim // 4,)
-        angles = (positions.to(device)[..., None] * inv_freq).flatten(1)  # (T, head_dim // 2)
+        angles = (_to_device(positions, device)[..., None] * inv_freq).flatten(1)  # (T, hd // 2)
         return {
-            "cu_seqlens": cu_seqlens.to(device),
+            "cu_seqlens": _to_device(cu_seqlens, device),
             "rotary_cos": angles.cos(),
             "rotary_sin": angles.sin(),
         }
@@ -498,6 +498,18 @@ def _unpatchify_frame(
 
 
 @lru_cache(maxsize=256)
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy host metadata to ``device`` without waiting for the GPU.
+
+    A copy from pageable memory synchronizes the stream, so the host could not
+    prepare the next batch while the previous one runs; pinned memory copies
+    asynchronously (the caching host allocator keeps the block until it is done).
+    """
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
     """``(h*w, 2)`` patch (row, column) of one frame, in merge-window order."""
     rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
