@@ -61,10 +61,13 @@ class CUDAGraphCallback(Callback):
     tower's parameters keep their storage, dtype and device (optimizers update in
     place), and recaptured when any of these change.
 
+    A capture that runs out of memory keeps the budgets that fit, and a path
+    whose tower a graph cannot hold (a host sync such as ``.item()``) runs
+    eagerly; the manager warns once with the budget or the cause and the fix.
     Under DDP each rank captures its own graphs. Whether graphs are used is
-    agreed at the start of every run: a rank whose capture failed runs the rest
-    of its run eagerly, and from the next run on every rank does (mode ``none``).
-    Stats are summed over ranks.
+    agreed at the start of every run: a rank whose capture failed otherwise runs
+    the rest of its run eagerly, and from the next run on every rank does (mode
+    ``none``). Stats are summed over ranks.
 
     Args:
         module: dotted path of the tower inside the LightningModule.
@@ -298,9 +301,10 @@ class CUDAGraphCallback(Callback):
     def _serving_manager(self, inputs: Any, rank: int) -> EncoderGraphManager:
         """The run's manager, with this batch's graphs captured.
 
-        A capture that fails (out of memory, an op a graph cannot hold) turns
-        this rank eager for the rest of the run, without a collective, so no
-        rank waits on another; the ranks agree at the next swap-in.
+        The manager recovers from out of memory and from towers a graph cannot
+        hold by itself (fewer budgets, an eager path). Any other capture failure
+        turns this rank eager for the rest of the run, without a collective, so
+        no rank waits on another; the ranks agree at the next swap-in.
         """
         manager = self._run_manager
         if manager.mode is GraphMode.NONE or torch.is_grad_enabled():

@@ -48,6 +48,13 @@ from lightning_cg.budgets import (
 from lightning_cg.compiled import CompiledEncoder, check_compile
 from lightning_cg.dispatcher import BatchDescriptor, CudagraphDispatcher, GraphMode
 from lightning_cg.encoder import CaptureSpec, GraphableEncoder, ItemSpec
+from lightning_cg.faults import (
+    OUT_OF_MEMORY,
+    CaptureFault,
+    capturing,
+    diagnose,
+    free_device_memory,
+)
 from lightning_cg.measured import (
     Decision,
     DecisionTable,
@@ -227,6 +234,8 @@ class _PathPlan:
     item_frames: int
     max_frames: int = 0
     ladder: list[int] = field(default_factory=list)
+    #: Why the path runs eagerly whatever the mode (a capture fault), else None.
+    eager_reason: str | None = None
 
 
 class EncoderGraphManager:
@@ -402,9 +411,17 @@ class EncoderGraphManager:
         captured largest budget first into the manager's one memory pool. A path
         is captured once per signature; calls for captured paths do nothing.
 
+        A capture that runs out of memory frees the graphs this call captured,
+        drops the failing budget and the larger ones of its path, and retries
+        with the budgets left (none left: the path runs eagerly). A path whose
+        tower a graph cannot hold (a host sync, a CPU op, a data-dependent
+        shape; see :mod:`lightning_cg.faults`) runs eagerly. Either warns once,
+        naming the path, the budget or the cause, and the fix.
+
         Raises:
             PiecewiseUnsupported: a path with PIECEWISE keys cannot be split and
                 ``piecewise_fallback`` is ``error``.
+            Exception: any other error of the capture, as raised.
         """
         if self._budget_sample is not None:
             return  # captured at the learned budgets, once execute has learned them
@@ -415,11 +432,7 @@ class EncoderGraphManager:
         started = time.perf_counter()
         reserved_before = _reserved_bytes()
         with _graph_context():
-            try:
-                self._capture_keys(graph_set, signature, todo)
-            except PiecewiseUnsupported as error:
-                self._fall_back(todo, error)
-                self._capture_keys(graph_set, signature, todo)
+            self._capture_paths(graph_set, signature, todo)
             if self.dispatch == "measured":
                 self._measure(graph_set, todo)
         if self._pool is not None:
@@ -428,18 +441,120 @@ class EncoderGraphManager:
         self.stats.pool_bytes += max(0, _reserved_bytes() - reserved_before)
         self._graph_sets.update((graph_set, path) for path in todo)
 
-    def _capture_keys(self, graph_set: Hashable, signature: Hashable, paths: list[str]) -> None:
-        """Capture the keys of ``paths`` that have no graph yet."""
+    def _capture_paths(self, graph_set: Hashable, signature: Hashable, paths: list[str]) -> None:
+        """Capture ``paths``, giving up the budgets and paths a capture fault rules out."""
+        out_of_memory: dict[str, list[int]] = {}
+        while True:
+            try:
+                failure = self._capture_keys(graph_set, signature, paths)
+            except PiecewiseUnsupported as error:
+                self._fall_back(paths, error)
+                continue
+            if failure is None:
+                break
+            # Out of the except clause: the error's frames, which hold the failed
+            # graph and its buffers, are gone before the memory is freed.
+            spec, fault = failure
+            self._drop_graphs(paths, graph_set=graph_set)
+            if fault.kind == OUT_OF_MEMORY:
+                out_of_memory.setdefault(spec.path, []).append(spec.token_budget)
+                self._drop_budgets(spec.path, spec.token_budget)
+            else:
+                self._run_eagerly(spec.path, fault)
+            free_device_memory()
+        for path, budgets in out_of_memory.items():
+            self._warn_out_of_memory(path, budgets)
+
+    def _capture_keys(
+        self, graph_set: Hashable, signature: Hashable, paths: list[str]
+    ) -> tuple[CaptureSpec, CaptureFault] | None:
+        """Capture the keys of ``paths`` that have no graph yet.
+
+        Returns:
+            None, or the key that failed with a fault :func:`diagnose` knows,
+            with the fault; the keys before it stay captured.
+        """
         specs = [
             (runtime_mode, desc, spec)
             for runtime_mode, desc, spec in self._capture_specs(signature, paths)
             if (graph_set, spec.path, runtime_mode, desc) not in self._graphs
         ]
         for done, (runtime_mode, desc, spec) in enumerate(specs, start=1):
-            graph = self._capture_one(runtime_mode, spec)
+            try:
+                graph = self._capture_one(runtime_mode, spec)
+            except Exception as error:
+                fault = diagnose(error)
+                if fault is None or (
+                    fault.kind != OUT_OF_MEMORY and isinstance(error, PiecewiseUnsupported)
+                ):
+                    raise  # PiecewiseUnsupported: piecewise_fallback decides
+                return spec, fault
             self._graphs[(graph_set, spec.path, runtime_mode, desc)] = graph
             if self.progress is not None:
                 self.progress(done, len(specs), spec)
+        return None
+
+    def _drop_graphs(
+        self, paths: Sequence[str], graph_set: Hashable | None = None, from_budget: int = 0
+    ) -> None:
+        """Forget the graphs of ``paths`` (of one graph set, from a budget up) and their tables."""
+
+        def matches(owner: Hashable, path: str) -> bool:
+            return path in paths and (graph_set is None or owner == graph_set)
+
+        for key in [key for key in self._graphs if matches(*key[:2])]:
+            if key[3].num_tokens >= from_budget:
+                graph = self._graphs.pop(key)
+                self.stats.graphs -= (
+                    graph.pieces.num_graphs if graph.pieces else int(graph.cuda_graph is not None)
+                )
+        self._tables = {key: table for key, table in self._tables.items() if not matches(*key)}
+        if not self._graphs:
+            # A fresh pool: nothing may capture into a pool whose last graph is gone.
+            self._pool = None
+
+    def _drop_budgets(self, path: str, failed_budget: int) -> None:
+        """Keep the budgets of ``path`` below ``failed_budget``; with none, run it eagerly."""
+        plan = self.paths[path]
+        kept = [budget for budget in plan.budgets if budget < failed_budget]
+        if not kept:
+            plan.eager_reason = f"out of memory at its smallest token budget {failed_budget}"
+        else:
+            plan.budgets = kept
+            plan.ladder = ([0] if plan.allow_zero_tokens else []) + kept
+            plan.dispatcher = CudagraphDispatcher(
+                plan.dispatcher.mode, kept, plan.dispatcher.uniform_item_counts
+            )
+        # Graphs of other signatures at the dropped budgets are of no use any more.
+        self._drop_graphs([path], from_budget=0 if plan.eager_reason else failed_budget)
+
+    def _run_eagerly(self, path: str, fault: CaptureFault) -> None:
+        self.paths[path].eager_reason = str(fault)
+        self._drop_graphs([path])
+        warnings.warn(
+            f"EncoderGraphManager: capturing path {path!r} failed: {fault.cause} "
+            f"({fault.error}). Fix: {fault.fix}. Path {path!r} runs eagerly.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _warn_out_of_memory(self, path: str, budgets: list[int]) -> None:
+        plan = self.paths[path]
+        if plan.eager_reason is not None:
+            outcome = f"path {path!r} runs eagerly"
+        else:
+            outcome = (
+                f"path {path!r} keeps budgets {plan.budgets}: larger sub-batches are split "
+                f"and items above {plan.budgets[-1]} tokens run eagerly"
+            )
+        failed = ", then ".join(str(budget) for budget in budgets)
+        warnings.warn(
+            f"EncoderGraphManager: out of memory capturing path {path!r} at token budget "
+            f"{failed}; freed the graphs of that capture; {outcome}. To keep the larger "
+            "budgets, free device memory or lower max_budget / max_items_per_batch.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _capture_specs(
         self, signature: Hashable, paths: Sequence[str]
@@ -447,6 +562,8 @@ class EncoderGraphManager:
         specs = []
         for path in paths:
             plan = self.paths[path]
+            if plan.eager_reason is not None:
+                continue
             for runtime_mode, desc in plan.dispatcher.capture_descriptors():
                 items = desc.num_items or self.max_items
                 if runtime_mode is GraphMode.PIECEWISE:
@@ -529,7 +646,7 @@ class EncoderGraphManager:
                 self.encoder.graph_forward(path, buffers)
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self._graph_pool()):
+        with capturing(), torch.cuda.graph(cuda_graph, pool=self._graph_pool()):
             output = self.encoder.graph_forward(path, buffers)
         return cuda_graph, output
 
@@ -613,13 +730,15 @@ class EncoderGraphManager:
             self.stats.measured_eager += 1
             graph = None
         if graph is None:
+            rows = self._eager(path, inputs, specs)
             self.stats.misses += 1
-            return self._split(self._eager(path, inputs, specs), path, specs)
+            return self._split(rows, path, specs)
+        rows = self._replay(graph, path, inputs, total)
+        # Counted once served: a replay that raised (a bad input) is no hit.
         self.stats.hits += 1
         self.stats.piecewise_hits += graph.pieces is not None
         self.stats.real_tokens += total
         self.stats.padded_tokens += key.num_tokens - total
-        rows = self._replay(graph, path, inputs, total)
         if self.verify and not graph.verified:
             self._verify(graph, path, inputs, specs, rows)
         return self._split(rows, path, specs)
@@ -628,6 +747,8 @@ class EncoderGraphManager:
         self, path: str, graph_set: Hashable, specs: list[ItemSpec], tokens: list[int]
     ) -> tuple[_Graph | None, BatchDescriptor | None]:
         plan = self.paths[path]
+        if plan.eager_reason is not None:
+            return None, None
         desc = BatchDescriptor(sum(tokens), len(tokens), uniform=len(set(tokens)) == 1)
         frames = sum(spec.num_frames for spec in specs)
         runtime_mode, key = plan.dispatcher.dispatch(desc)
@@ -851,7 +972,11 @@ class EncoderGraphManager:
         return bool(self._graph_sets)
 
     def clear(self) -> None:
-        """Drop every graph, buffer and the pool; the next call captures again."""
+        """Drop every graph, buffer and the pool; the next call captures again.
+
+        What capture faults taught stays: budgets dropped for lack of memory are
+        not tried again, and paths that cannot be captured keep running eagerly.
+        """
         self._graphs.clear()
         self._graph_sets.clear()
         self._pool = None

@@ -51,6 +51,8 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_leaves
 
+from lightning_cg.faults import capturing
+
 #: Ops a tower is split at, as ``namespace::name``.
 DEFAULT_SPLITTING_OPS = (
     "aten::scaled_dot_product_attention",
@@ -468,6 +470,6 @@ def _warm_up(module: fx.GraphModule, args: list[Any]) -> Sequence[Any]:
 
 def _capture(fn: Callable[[], Sequence[Any]], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with capturing(), torch.cuda.graph(graph, pool=pool):
         outputs = fn()
     return graph, outputs

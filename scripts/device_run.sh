@@ -18,7 +18,7 @@ for step in "$@"; do
     bench:*)
       IFS=: read -r _ name overrides <<< "$step"
       # shellcheck disable=SC2086
-      python3 scripts/bench.py $overrides output="$OUT/$name.json" plot="$OUT/$name.png" \
+      timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench.py $overrides output="$OUT/$name.json" plot="$OUT/$name.png" \
         hydra.run.dir=/tmp/hydra > "$OUT/$name.log" 2>&1
       tail -45 "$OUT/$name.log" ;;
   esac

@@ -175,8 +175,8 @@ class PackedEncoderAdapter:
 
         Raises:
             TypeError: the call does not bind to ``(pixel_patches, grid_thw)``.
-            ValueError: an argument has the wrong type, shape or size; the message
-                names it.
+            ValueError: an argument has the wrong type, shape, size or device, or
+                ``grid_thw`` disagrees with the patches; the message names it.
         """
         bound = _CALL.bind(*args, **kwargs).arguments
         pixel_patches, grid_thw = bound["pixel_patches"], bound["grid_thw"]
@@ -188,13 +188,25 @@ class PackedEncoderAdapter:
             raise ValueError(
                 f"pixel_patches must be a floating-point tensor, got {_describe(pixel_patches)}"
             )
+        parameter = next(self.tower.parameters(), None)
+        if parameter is not None and pixel_patches.device != parameter.device:
+            raise ValueError(
+                f"pixel_patches is on {pixel_patches.device}, the tower on {parameter.device}: "
+                "move the batch to the tower's device"
+            )
         grid = [(t, h, w) for t, h, w in grid_thw.tolist()]
         self._check_grid(grid)
         rows = sum(t * h * w for t, h, w in grid)
-        if pixel_patches.dim() != 2 or tuple(pixel_patches.shape) != (rows, self._patch_dim):
+        if pixel_patches.dim() != 2 or pixel_patches.shape[1] != self._patch_dim:
             raise ValueError(
                 f"pixel_patches must have shape [{rows}, {self._patch_dim}] (sum of t*h*w "
                 f"over grid_thw, C*p*p), got {list(pixel_patches.shape)}"
+            )
+        if pixel_patches.shape[0] != rows:
+            raise ValueError(
+                f"grid_thw disagrees with pixel_patches: its {len(grid)} items have {rows} "
+                f"patches (sum of t*h*w), pixel_patches has {pixel_patches.shape[0]} rows; "
+                "pass the grid_thw these patches were cut with"
             )
         return PackedInputs(pixel_patches, grid_thw, grid)
 

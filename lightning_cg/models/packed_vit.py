@@ -214,7 +214,7 @@ class PackedViT(nn.Module):
         """
         grid = _as_grid(grid_thw)
         local = self.encode_local(pixel_patches, grid)
-        if not self.config.global_view:
+        if not self.config.global_view or not grid:
             return local
         local_rows = local.split(_local_tokens(grid, self.config))
         global_rows = self.encode_global(pixel_patches, grid).split(self.config.global_tokens)

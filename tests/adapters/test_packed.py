@@ -191,7 +191,7 @@ def test_keyword_call():
         (torch.zeros(4, 48), torch.tensor([[1.0, 2, 2]]), "grid_thw must be an integer tensor"),
         (torch.zeros(6, 48), torch.tensor([[1, 2, 3]]), r"grid_thw\[0\] is \[1, 2, 3\]"),
         (torch.zeros(4, 47), torch.tensor([[1, 2, 2]]), r"pixel_patches must have shape \[4, 48\]"),
-        (torch.zeros(8, 48), torch.tensor([[1, 2, 2]]), r"pixel_patches must have shape \[4, 48\]"),
+        (torch.zeros(8, 48), torch.tensor([[1, 2, 2]]), "grid_thw disagrees with pixel_patches"),
         (torch.zeros(4, 48, 1), torch.tensor([[1, 2, 2]]), "pixel_patches must have shape"),
         (torch.zeros(4, 48, dtype=torch.long), torch.tensor([[1, 2, 2]]), "floating-point"),
     ],

@@ -70,6 +70,14 @@ def test_forward_shape_for_images_and_videos(global_view):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("global_view", [False, True])
+def test_forward_of_an_empty_batch(global_view):
+    tower = tiny_tower(global_view=global_view)
+    with torch.no_grad():
+        out = tower(torch.empty(0, 3 * PATCH**2), torch.empty(0, 3, dtype=torch.long))
+    assert out.shape == (0, 32)
+
+
 def test_forward_joins_local_then_global_rows_per_item():
     tower = tiny_tower(global_view=True)
     patches, grid_thw = patchify([torch.randn(3, 16, 16), torch.randn(3, 8, 24)], PATCH)
