@@ -170,11 +170,24 @@ def capturing() -> Iterator[None]:
     except BaseException as error:
         if stream is not None:
             torch.cuda.set_stream(stream)
+            _end_rng_capture()
         if isinstance(error, Exception) and not is_out_of_memory(error):
             raise CaptureError(
                 f"{type(error).__name__} while capturing a graph: {error}"
             ) from error
         raise
+
+
+def _end_rng_capture() -> None:
+    """Take the device's RNG out of capture mode after a failed capture.
+
+    ``torch.cuda.graph`` skips the generator's capture epilogue when ending the
+    capture raises, and every later CUDA random op then fails ("Offset increment
+    outside graph capture"). Re-setting the generator to a clone of its own
+    state clears that (seen on an H200 with torch 2.11; BENCHMARKS.md).
+    """
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def _chain(error: BaseException) -> list[BaseException]:

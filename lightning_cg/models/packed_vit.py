@@ -432,7 +432,7 @@ def _frame_attention(
     cu_seqlens: torch.Tensor, rows: int, max_seqlen: int, use_varlen: bool
 ) -> Attend:
     """Attention within each frame: ``q, k, v (T, H, hd) -> (T, H, hd)``."""
-    if use_varlen:
+    if use_varlen and rows > 0:  # varlen attention refuses an empty batch
         # Flash attention never writes rows past the last sequence; zero them so
         # padding holds no stale memory.
         inside = torch.arange(rows, device=cu_seqlens.device) < cu_seqlens[-1]
