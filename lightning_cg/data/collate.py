@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -54,3 +56,22 @@ def collate_batched(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
     """Stack same-size images into ``{"images": [B, C, H, W], "targets": [B]}``."""
     images, targets = zip(*samples, strict=True)
     return {"images": torch.stack(images), "targets": torch.tensor(targets, dtype=torch.long)}
+
+
+class SplitsDataModule(pl.LightningDataModule):
+    """A DataModule whose splits all serve one dataset; training shuffles.
+
+    Subclasses provide ``_loader(shuffle) -> DataLoader``.
+    """
+
+    def _loader(self, shuffle: bool) -> DataLoader:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=False)

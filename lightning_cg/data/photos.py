@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,12 @@ from skimage import data as skdata
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms.functional import center_crop, resize
 
-from lightning_cg.data.collate import collate_batched, collate_packed, normalize
+from lightning_cg.data.collate import (
+    SplitsDataModule,
+    collate_batched,
+    collate_packed,
+    normalize,
+)
 
 # Natural photos of varied size and aspect; grayscale ones are repeated to RGB.
 _PHOTOS: dict[str, Callable[[], np.ndarray]] = {
@@ -115,7 +119,7 @@ class PhotoDataset(Dataset):
         return self.images[index], index % self.num_classes
 
 
-class PhotosDataModule(pl.LightningDataModule):
+class PhotosDataModule(SplitsDataModule):
     """The bundled photos as packed batches, or fixed-size batches for batch-first towers.
 
     Packed batches are ``{"pixel_patches", "grid_thw", "targets"}``; with
@@ -178,15 +182,6 @@ class PhotosDataModule(pl.LightningDataModule):
         if self.dataset is None:
             images = load_photos(self.patch_size * self.merge_size, self.max_side, self.fixed_size)
             self.dataset = PhotoDataset(images, self.num_classes)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=False)
 
     def _loader(self, shuffle: bool) -> DataLoader:
         if self.fixed_size is None:

@@ -10,13 +10,18 @@ from __future__ import annotations
 import random
 from functools import partial
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import FakeData
 from torchvision.transforms import Compose, Normalize, ToTensor
 
-from lightning_cg.data.collate import IMAGENET_MEAN, IMAGENET_STD, collate_batched, collate_packed
+from lightning_cg.data.collate import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SplitsDataModule,
+    collate_batched,
+    collate_packed,
+)
 
 # Seeds of per-item generators are seed * _SEED_STRIDE + index, so items of
 # neighbouring seeds never share pixels.
@@ -150,7 +155,7 @@ class SyntheticItems(Dataset):
         return torch.randn(self.shapes[index], generator=generator), self.targets[index]
 
 
-class SyntheticDataModule(pl.LightningDataModule):
+class SyntheticDataModule(SplitsDataModule):
     """Random variable-resolution images (and videos) as packed batches.
 
     Batches are ``{"pixel_patches", "grid_thw", "targets"}`` for
@@ -212,17 +217,8 @@ class SyntheticDataModule(pl.LightningDataModule):
             collate_fn=collate,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=False)
-
-
-class FakeDataModule(pl.LightningDataModule):
+class FakeDataModule(SplitsDataModule):
     """torchvision FakeData as ``{"images": [B, 3, S, S], "targets": [B]}`` batches.
 
     For batch-first towers (``vit_b_16``, ``resnet50``); images are normalized
@@ -261,12 +257,3 @@ class FakeDataModule(pl.LightningDataModule):
             num_workers=num_workers,
             collate_fn=collate_batched,
         )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(shuffle=False)
