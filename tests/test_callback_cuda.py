@@ -1,0 +1,98 @@
+"""The callback in a real Trainer on a CUDA GPU: predictions against eager, graph reuse."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_cg.callback import CUDAGraphCallback
+from lightning_cg.data.synthetic import FakeDataModule, SyntheticDataModule
+from lightning_cg.models.lit import VisionClassifier, build_tower
+
+pytestmark = pytest.mark.cuda
+
+PACKED = dict(hidden_size=64, depth=2, num_heads=4, patch_size=4, out_hidden_size=32)
+VIT = dict(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64)
+MODES = ["full", "piecewise", "full_and_piecewise", "full_uniform_only", "none"]
+
+
+def model(kind: str) -> VisionClassifier:
+    torch.manual_seed(0)
+    tower = (
+        build_tower("packed_vit_small", **PACKED)
+        if kind == "packed"
+        else build_tower("vit_b_16", **VIT)
+    )
+    return VisionClassifier(tower, num_classes=4)
+
+
+def datamodule(kind: str):
+    if kind == "packed":
+        return SyntheticDataModule(
+            num_items=12, batch_size=4, min_side=8, max_side=48, patch_size=4, num_classes=4
+        )
+    return FakeDataModule(num_items=12, batch_size=4, image_size=32, num_classes=4)
+
+
+def trainer(*callbacks, **kwargs) -> Trainer:
+    options = dict(
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return Trainer(callbacks=list(callbacks), **{**options, **kwargs})
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def no_tf32(monkeypatch):
+    # TF32 kernels differ between batch sizes; fp32 parity is checked without them.
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+@pytest.mark.parametrize("kind", ["packed", "vit"])
+@pytest.mark.parametrize("mode", MODES)
+def test_predict_equals_eager_for_each_model_and_mode(kind, mode):
+    callback = CUDAGraphCallback(
+        mode=mode, budgets={"max_budget": 256} if kind == "packed" else None
+    )
+    net = model(kind)
+    graphed = torch.cat(trainer(callback).predict(net, datamodule(kind)))
+    eager = torch.cat(trainer().predict(net, datamodule(kind)))
+    assert relative_error(graphed, eager) < 1e-5
+    if mode != "none":
+        assert callback.last_stats["graphs"] > 0 and callback.last_stats["hits"] > 0
+    assert "forward" not in net.vision_tower.__dict__
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_bf16_mixed_and_inference_mode(inference_mode):
+    callback = CUDAGraphCallback(budgets={"max_budget": 256})
+    net = model("packed")
+    run = dict(precision="bf16-mixed", inference_mode=inference_mode)
+    graphed = torch.cat(trainer(callback, **run).predict(net, datamodule("packed")))
+    eager = torch.cat(trainer(**run).predict(net, datamodule("packed")))
+    assert relative_error(graphed, eager) < 2e-2
+    assert callback.last_stats["hits"] > 0
+
+
+def test_two_validation_epochs_capture_once_and_new_tensors_recapture():
+    callback = CUDAGraphCallback(budgets={"max_budget": 256})
+    net = model("packed")
+    fit = trainer(callback, max_epochs=2)
+    fit.fit(net, datamodule("packed"))
+    graphs = dict(callback.manager._graphs)
+    assert graphs and all(g.cuda_graph is not None or g.pieces is not None for g in graphs.values())
+    fit.validate(net, datamodule("packed"), verbose=False)
+    assert callback.manager._graphs == graphs
+    state = {k: v.clone() for k, v in net.vision_tower.state_dict().items()}
+    net.vision_tower.load_state_dict(state, assign=True)
+    fit.validate(net, datamodule("packed"), verbose=False)
+    assert all(graph is not graphs.get(key) for key, graph in callback.manager._graphs.items())
