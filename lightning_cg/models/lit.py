@@ -132,7 +132,13 @@ def _packed_vit(preset: str) -> Callable[..., nn.Module]:
 
 
 def _vit_b_16(**overrides: Any) -> nn.Module:
-    return VisionTransformer(**{**_VIT_B_16, **overrides})
+    tower = VisionTransformer(**{**_VIT_B_16, **overrides})
+    # torchvision zero-initialises the classifier for fine-tuning; a random tower
+    # used for embeddings would then return only zeros and hide every difference.
+    for layer in tower.heads.modules():
+        if isinstance(layer, nn.Linear):
+            nn.init.trunc_normal_(layer.weight, std=0.02)
+    return tower
 
 
 _TOWERS: dict[str, Callable[..., nn.Module]] = {

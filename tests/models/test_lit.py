@@ -110,3 +110,13 @@ def test_factories_and_embed_dims():
     assert embed_dim_of(build_tower("resnet50")) == 1000
     with pytest.raises(TypeError):
         build_tower("packed_vit", no_such_field=1)
+
+
+def test_vit_b_16_embeddings_are_not_all_zero():
+    # torchvision zero-initialises the head; a zero embedding would make every
+    # graph-against-eager comparison on this tower vacuous.
+    tower = build_tower("vit_b_16", **TINY_VIT).eval()
+    with torch.no_grad():
+        embeddings = tower(torch.randn(2, 3, 32, 32))
+    assert embeddings.abs().min() > 0
+    assert not torch.allclose(embeddings[0], embeddings[1])
