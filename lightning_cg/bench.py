@@ -62,6 +62,7 @@ WORKLOADS = (*BATCHED_TOWERS, *PACKED_TOWERS, STREAM)
 #: Packed-tower scenarios: images per batch and the side range (a key of ``sizes``).
 SCENARIOS = {
     "single_mixed": (1, "mixed_sides"),
+    "single_small": (1, "small_sides"),
     "mixed_4": (4, "mixed_sides"),
     "small_16": (16, "small_sides"),
     "photos": (None, None),

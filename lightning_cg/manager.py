@@ -17,8 +17,9 @@ pieces, scatter) without capture.
 
 Three options trade set-up for speed: ``ladder="auto"`` learns each path's
 budgets from the item sizes of the first batches (:meth:`learn_budgets`);
-``dispatch="measured"`` times every graph against eager at capture and sends a
-sub-batch to a graph only where the graph is faster (:mod:`lightning_cg.measured`);
+``dispatch="measured"`` times every graph against eager on a path's first real
+items and sends a sub-batch to a graph only where the graph is faster
+(:mod:`lightning_cg.measured`);
 ``compile=True`` captures a ``torch.compile``'d graph forward
 (:mod:`lightning_cg.compiled`).
 
@@ -58,7 +59,9 @@ from lightning_cg.faults import (
 from lightning_cg.measured import (
     Decision,
     DecisionTable,
+    TimingSample,
     check_dispatch,
+    fill_budget,
     measure_decision_table,
 )
 from lightning_cg.packing import PACKING_STRATEGIES, pack_items
@@ -433,8 +436,6 @@ class EncoderGraphManager:
         reserved_before = _reserved_bytes()
         with _graph_context():
             self._capture_paths(graph_set, signature, todo)
-            if self.dispatch == "measured":
-                self._measure(graph_set, todo)
         if self._pool is not None:
             torch.cuda.synchronize()
         self.stats.capture_seconds += time.perf_counter() - started
@@ -721,6 +722,8 @@ class EncoderGraphManager:
             # tokens (a global view that is off) costs no graphs.
             self.capture(signature, [path])
         graph_set = (signature, _autocast_key())
+        if self._needs_table(graph_set, path):
+            self._measure(graph_set, path, inputs, specs)
         decision = self._decide(graph_set, path, tokens)
         if decision is not None and decision.runner == "split":
             self.stats.measured_splits += 1
@@ -733,7 +736,9 @@ class EncoderGraphManager:
             rows = self._eager(path, inputs, specs)
             self.stats.misses += 1
             return self._split(rows, path, specs)
+        started = time.perf_counter()
         rows = self._replay(graph, path, inputs, total)
+        self.stats.host_seconds += time.perf_counter() - started
         # Counted once served: a replay that raised (a bad input) is no hit.
         self.stats.hits += 1
         self.stats.piecewise_hits += graph.pieces is not None
@@ -776,7 +781,7 @@ class EncoderGraphManager:
         return graph
 
     def _replay(self, graph: _Graph, path: str, inputs: Any, total: int) -> torch.Tensor:
-        started = time.perf_counter()
+        """Copy ``inputs`` into the graph's buffers, replay, and clone the real rows."""
         real = self.encoder.replay_inputs(path, inputs)
         missing = sorted(set(graph.buffers) - set(real))
         if missing:
@@ -784,9 +789,7 @@ class EncoderGraphManager:
         for name, buffer in graph.buffers.items():
             self._fill(name, buffer, real[name])
         # Clone: the next replay overwrites the graph's output buffer.
-        rows = graph.run()[:total].clone()
-        self.stats.host_seconds += time.perf_counter() - started
-        return rows
+        return graph.run()[:total].clone()
 
     def _fill(self, name: str, buffer: torch.Tensor, rows: torch.Tensor) -> None:
         count = rows.shape[0]
@@ -919,30 +922,64 @@ class EncoderGraphManager:
             for row in table.rows()
         ]
 
-    def _measure(self, graph_set: Hashable, paths: Sequence[str]) -> None:
-        """Time the captured graphs of ``paths`` against eager into decision tables."""
+    def _needs_table(self, graph_set: Hashable, path: str) -> bool:
+        return (
+            self.dispatch == "measured"
+            and self.mode is not GraphMode.NONE
+            and self.paths[path].eager_reason is None
+            and (graph_set, path) not in self._tables
+        )
+
+    def _measure(self, graph_set: Hashable, path: str, inputs: Any, specs: list[ItemSpec]) -> None:
+        """Time each graph of ``path`` against eager on sub-batches of these real items.
+
+        Each budget is timed on the items repeated until they fill it, so both
+        runners see the data's sequence lengths and host work. Budgets no item
+        fits are timed on their capture buffers, graph only.
+        """
         if self._pool is None:
             if not self._told_measured_needs_cuda:
                 warnings.warn(
                     "dispatch='measured' times CUDA graphs, and none were captured (no CUDA): "
                     "sub-batches use the graph path as with dispatch='budget'",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 self._told_measured_needs_cuda = True
             return
+        samples = [
+            self._timing_sample(graph, path, inputs, specs)
+            for (owner, graph_path, _, _), graph in self._graphs.items()
+            if owner == graph_set and graph_path == path
+        ]
+        # Without real tokens (every item above every budget) eager cannot be
+        # timed; a later sub-batch measures the path.
+        if any(sample.tokens for sample in samples):
+            self._tables[(graph_set, path)] = measure_decision_table(samples)
+
+    def _timing_sample(
+        self, graph: _Graph, path: str, inputs: Any, specs: list[ItemSpec]
+    ) -> TimingSample:
+        spec = graph.spec
+        positions = fill_budget(
+            [item.path_tokens.get(path, 0) for item in specs],
+            [item.num_frames for item in specs],
+            spec.token_budget,
+            spec.max_items,
+            spec.max_frames,
+        )
+        if not positions:
+            return TimingSample(spec.token_budget, None, replay=lambda: graph.run().clone())
+        sub_inputs = self.encoder.select_items(inputs, positions)
+        tokens = sum(specs[i].path_tokens[path] for i in positions)
         # Eager means the tower as it is, not compiled.
         eager = self.encoder.encoder if isinstance(self.encoder, CompiledEncoder) else self.encoder
-        for path in paths:
-            graphs = [
-                (key.num_tokens, graph.buffers, graph.run)
-                for (owner, graph_path, _, key), graph in self._graphs.items()
-                if owner == graph_set and graph_path == path
-            ]
-            if graphs:
-                self._tables[(graph_set, path)] = measure_decision_table(
-                    graphs, functools.partial(eager.graph_forward, path)
-                )
+        return TimingSample(
+            spec.token_budget,
+            tokens,
+            replay=functools.partial(self._replay, graph, path, sub_inputs, tokens),
+            eager=functools.partial(eager.eager_forward, path, sub_inputs),
+        )
 
     def _decide(self, graph_set: Hashable, path: str, tokens: list[int]) -> Decision | None:
         table = self._tables.get((graph_set, path))

@@ -235,42 +235,74 @@ def time_ms(run: Callable[[], object], repeats: int = 10, warmup: int = 3) -> fl
     return start.elapsed_time(end) / repeats
 
 
-def measure_decision_table(
-    graphs: Iterable[tuple[int, Mapping[str, torch.Tensor], Callable[[], torch.Tensor]]],
-    eager_forward: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
-    repeats: int = 10,
-) -> DecisionTable:
-    """Time the graphs of one path and the eager forward at their budgets.
+def fill_budget(
+    item_tokens: Sequence[int],
+    item_frames: Sequence[int],
+    budget: int,
+    max_items: int,
+    max_frames: int,
+) -> list[int]:
+    """Positions of real items, taken in turn and repeated, that fill ``budget``.
 
-    A graph's cost is its replay with every input buffer rewritten and the
-    output cloned, as the manager replays it; where a budget has several graphs
-    (exact keys), the slowest counts. The eager cost at a budget is
-    ``eager_forward`` on that graph's buffers: the tower on the budget's tokens.
+    A budget's graph and eager are timed on such a stand-in sub-batch so that
+    attention sees the data's own sequence lengths, not one sequence over the
+    whole budget. Passes over the items in order, taking each that still fits
+    (tokens, items and frames), until a pass takes none.
 
-    Args:
-        graphs: ``(budget, buffers, run)`` of each captured graph of the path,
-            ``run`` replaying it and returning its output buffer.
-        eager_forward: the path's graph forward, run eagerly on a buffer dict.
-        repeats: timed runs per measurement.
+    Example:
+        >>> fill_budget([3, 5], [1, 1], budget=12, max_items=8, max_frames=8)
+        [0, 1, 0]
+    """
+    positions: list[int] = []
+    room, frames = budget, 0
+    taken = True
+    while taken and len(positions) < max_items:
+        taken = False
+        for position, (tokens, item_frame_count) in enumerate(
+            zip(item_tokens, item_frames, strict=True)
+        ):
+            fits = 0 < tokens <= room and frames + item_frame_count <= max_frames
+            if fits and len(positions) < max_items:
+                positions.append(position)
+                room -= tokens
+                frames += item_frame_count
+                taken = True
+    return positions
 
-    Returns:
-        The path's table.
+
+@dataclass(frozen=True)
+class TimingSample:
+    """One budget's graph and eager, each run on the same stand-in sub-batch.
+
+    Attributes:
+        budget: the graph's token budget.
+        tokens: real tokens of the sub-batch; None where no real item fits the
+            budget, and only the graph (on its capture buffers) is timed.
+        replay: runs the graph as the manager does: copies in, replay, clone out.
+        eager: runs the path eagerly on the sub-batch; None with ``tokens``.
+    """
+
+    budget: int
+    tokens: int | None
+    replay: Callable[[], object]
+    eager: Callable[[], object] | None = None
+
+
+def measure_decision_table(samples: Iterable[TimingSample], repeats: int = 10) -> DecisionTable:
+    """Time each sample's graph and eager forward into one path's decision table.
+
+    Where a budget has several graphs (exact keys), the slowest counts. Eager
+    is timed at each sample's real token count.
+
+    Raises:
+        ValueError: no sample has real tokens, so eager was never timed.
     """
     graph_ms: dict[int, float] = {}
     eager_ms: dict[int, float] = {}
-    for budget, buffers, run in graphs:
-        sources = {name: buffer.clone() for name, buffer in buffers.items()}
-
-        def replay(
-            buffers: Mapping[str, torch.Tensor] = buffers,
-            sources: Mapping[str, torch.Tensor] = sources,
-            run: Callable[[], torch.Tensor] = run,
-        ) -> torch.Tensor:
-            for name, buffer in buffers.items():
-                buffer.copy_(sources[name], non_blocking=True)
-            return run().clone()
-
-        graph_ms[budget] = max(graph_ms.get(budget, 0.0), time_ms(replay, repeats))
-        if budget not in eager_ms:
-            eager_ms[budget] = time_ms(lambda buffers=buffers: eager_forward(buffers), repeats)
+    for sample in samples:
+        graph_ms[sample.budget] = max(
+            graph_ms.get(sample.budget, 0.0), time_ms(sample.replay, repeats)
+        )
+        if sample.eager is not None and sample.tokens not in eager_ms:
+            eager_ms[sample.tokens] = time_ms(sample.eager, repeats)
     return DecisionTable(graph_ms, list(eager_ms.items()))

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
-from lightning_cg.measured import DecisionTable, check_dispatch
+from lightning_cg.measured import DecisionTable, check_dispatch, fill_budget
 
 #: A small tower: launches dominate, so graphs win below ~700 tokens, then lose.
 GRAPH_MS = {64: 0.5, 256: 0.8, 1024: 6.0, 4096: 30.0}
@@ -121,6 +121,23 @@ def test_unknown_dispatch_names_the_field_and_allowed_values():
         EncoderGraphManager(ToyEncoder(ToyTower()), dispatch="fastest")
 
 
+@pytest.mark.parametrize(
+    ("tokens", "frames", "budget", "max_items", "max_frames", "expected"),
+    [
+        ([3, 5], [1, 1], 12, 8, 8, [0, 1, 0]),  # repeats in turn while they fit
+        ([3, 5], [1, 1], 16, 8, 8, [0, 1, 0, 1]),
+        ([3, 5], [1, 1], 100, 3, 8, [0, 1, 0]),  # max_items
+        ([3, 5], [2, 2], 100, 8, 5, [0, 1]),  # max_frames
+        ([9, 4, 0], [1, 1, 1], 8, 8, 8, [1, 1]),  # too large and empty items skipped
+        ([9], [1], 8, 8, 8, []),
+    ],
+)
+def test_fill_budget_repeats_real_items_within_every_limit(
+    tokens, frames, budget, max_items, max_frames, expected
+):
+    assert fill_budget(tokens, frames, budget, max_items, max_frames) == expected
+
+
 # ------------------------------------------------------------ in the manager
 
 
@@ -200,7 +217,9 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
     replay = manager._replay
 
     def spy(graph, path, inputs, total):
-        replays.append((path, graph.spec.token_budget, total))
+        # Replays timed while a table is being measured are not dispatched.
+        if any(table_path == path for _, table_path in manager._tables):
+            replays.append((path, graph.spec.token_budget, total))
         return replay(graph, path, inputs, total)
 
     monkeypatch.setattr(manager, "_replay", spy)
@@ -219,3 +238,19 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
     stats = manager.stats
     assert stats.hits == len(replays)
     assert stats.hits + stats.misses > 0
+
+
+@pytest.mark.cuda
+def test_cuda_table_times_eager_on_the_real_items_repeated():
+    tower = ToyTower().cuda().eval()
+    manager = EncoderGraphManager(
+        ToyEncoder(tower, max_budget=256), dispatch="measured", max_items=64
+    )
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(5), [10, 7], device="cuda"))
+    (table,) = manager._tables.values()
+    # Every budget is filled with 10- and 7-token items taken in turn (17 per
+    # pair), then with whichever one still fits.
+    for tokens, _ in table.eager_points:
+        assert tokens % 17 in (0, 7, 10), tokens
+    assert max(tokens for tokens, _ in table.eager_points) > 17

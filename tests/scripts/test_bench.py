@@ -42,7 +42,7 @@ CPU_RUN = [
     "skip_methods=[]",
     "workloads=[vit_b_16,resnet50,packed_vit_small,stream]",
     "batch_sizes=[1,4]",
-    "scenarios=[single_mixed,mixed_4,small_16,photos]",
+    "scenarios=[single_mixed,single_small,mixed_4,small_16,photos]",
     "stream.warmup=0",
     "stream.repeats=1",
 ]
@@ -75,6 +75,7 @@ def test_quick_tiny_run_on_cpu(tmp_path, one_thread):
         "resnet50/batch_1",
         "resnet50/batch_4",
         "packed_vit_small/single_mixed",
+        "packed_vit_small/single_small",
         "packed_vit_small/mixed_4",
         "packed_vit_small/small_16",
         "packed_vit_small/photos",

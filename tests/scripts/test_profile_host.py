@@ -1,0 +1,28 @@
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_profiles_one_pass_of_a_tiny_workload_on_cpu(tmp_path):
+    overrides = [
+        "quick=true",
+        "tiny=true",
+        "device=cpu",
+        "dtype=float32",
+        "workloads=[packed_vit_small]",
+        "scenarios=[mixed_4]",
+        "warmup=1",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_host.py"), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "packed_vit_small/mixed_4: 4 batches" in result.stdout
+    assert "aten::linear" in result.stdout and "Self CPU time total" in result.stdout
