@@ -331,6 +331,9 @@ class EncoderGraphManager:
         #: Measured decision tables by graph set and path (``dispatch="measured"``).
         self._tables: dict[tuple[Hashable, str], DecisionTable] = {}
         self._told_measured_needs_cuda = False
+        #: Whether the current call came in under inference mode; eager runs
+        #: return to it (it launches faster than plain no_grad).
+        self._caller_inference_mode = False
         #: Per auto path, the learned ladder, its expected padding and sample size.
         self.learned_budgets: dict[str, dict[str, Any]] = {}
         # The (min, max) budgets of each auto path, and the item tokens of the
@@ -675,6 +678,7 @@ class EncoderGraphManager:
             self._run_sub_batch(None, inputs, list(range(len(specs))), specs, outputs)
             return outputs
         signature = self.encoder.graph_signature(inputs)
+        self._caller_inference_mode = torch.is_inference_mode_enabled()
         if self._sampling_budgets(specs):
             self._run_sub_batch(None, inputs, list(range(len(specs))), specs, outputs)
             return outputs
@@ -813,7 +817,7 @@ class EncoderGraphManager:
             buffer[count:].zero_()
 
     def _eager(self, path: str, inputs: Any, specs: list[ItemSpec]) -> torch.Tensor:
-        rows = self.encoder.eager_forward(path, inputs)
+        rows = self._eager_forward(path, inputs)
         expected = sum(spec.path_tokens.get(path, 0) for spec in specs)
         if rows.shape[0] != expected:
             raise RuntimeError(
@@ -821,6 +825,11 @@ class EncoderGraphManager:
                 f"item_specs promise {expected}"
             )
         return rows
+
+    def _eager_forward(self, path: str, inputs: Any) -> torch.Tensor:
+        """The path eagerly, in the caller's inference mode (graph runs leave it)."""
+        with torch.inference_mode(self._caller_inference_mode):
+            return self.encoder.eager_forward(path, inputs)
 
     def _split(
         self, rows: torch.Tensor, path: str, specs: list[ItemSpec]
@@ -972,13 +981,12 @@ class EncoderGraphManager:
             return TimingSample(spec.token_budget, None, replay=lambda: graph.run().clone())
         sub_inputs = self.encoder.select_items(inputs, positions)
         tokens = sum(specs[i].path_tokens[path] for i in positions)
-        # Eager means the tower as it is, not compiled.
-        eager = self.encoder.encoder if isinstance(self.encoder, CompiledEncoder) else self.encoder
         return TimingSample(
             spec.token_budget,
             tokens,
             replay=functools.partial(self._replay, graph, path, sub_inputs, tokens),
-            eager=functools.partial(eager.eager_forward, path, sub_inputs),
+            # As a miss runs: the tower as it is (never compiled), in the caller's mode.
+            eager=functools.partial(self._eager_forward, path, sub_inputs),
         )
 
     def _decide(self, graph_set: Hashable, path: str, tokens: list[int]) -> Decision | None:

@@ -42,6 +42,7 @@ def main(config: DictConfig) -> None:
             for index in batches:
                 runner.step(index)
         sync()
+        runner.manager.reset_stats()  # capture and the decision table out of the figures
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             for index in batches:
                 runner.step(index)

@@ -129,6 +129,27 @@ def test_grad_enabled_runs_eagerly():
     assert manager.stats.hits == 0
 
 
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_eager_runs_in_the_callers_inference_mode(inference_mode, monkeypatch):
+    manager = manager_for(ToyTower().eval(), budgets=BudgetConfig(budgets=[32]))
+    seen = {}
+    for runner in ("eager_forward", "graph_forward"):
+        original = getattr(manager.encoder, runner)
+
+        def spy(*args, runner=runner, original=original):
+            seen[runner] = torch.is_inference_mode_enabled()
+            return original(*args)
+
+        monkeypatch.setattr(manager.encoder, runner, spy)
+    # One item over the budget runs eagerly, one small item through the graph path.
+    tokens, lengths = make_batch(random.Random(6), [40, 4])
+    with torch.inference_mode(inference_mode), torch.no_grad():
+        run(manager, tokens, lengths)
+    assert manager.stats.hits == 1 and manager.stats.misses == 1
+    # Graph buffers are ordinary tensors: captured and replayed outside inference mode.
+    assert seen == {"eager_forward": inference_mode, "graph_forward": False}
+
+
 class LeakyEncoder(ToyEncoder):
     """Its graph forward ignores cu_seqlens: items attend across each other."""
 

@@ -243,9 +243,7 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
 @pytest.mark.cuda
 def test_cuda_table_times_eager_on_the_real_items_repeated():
     tower = ToyTower().cuda().eval()
-    manager = EncoderGraphManager(
-        ToyEncoder(tower, max_budget=256), dispatch="measured", max_items=64
-    )
+    manager = EncoderGraphManager(ToyEncoder(tower, max_budget=256), dispatch="measured")
     with torch.no_grad():
         run(manager, *make_batch(random.Random(5), [10, 7], device="cuda"))
     (table,) = manager._tables.values()
