@@ -505,7 +505,8 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     prepare the next batch while the previous one runs; pinned memory copies
     asynchronously (the caching host allocator keeps the block until it is done).
     """
-    if torch.device(device).type != "cuda":
+    # torch.compile traces with fake tensors, which cannot be pinned.
+    if torch.device(device).type != "cuda" or torch.compiler.is_compiling():
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 

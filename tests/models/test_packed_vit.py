@@ -213,3 +213,17 @@ def test_presets():
     assert small.mlp_hidden_size == 3072 and small.global_view
     large = packed_vit_config()
     assert (large.hidden_size, large.depth, large.patch_size, large.head_dim) == (1280, 32, 14, 80)
+
+
+@pytest.mark.cuda
+def test_cuda_forward_compiles_and_matches_eager():
+    # The metadata's pinned host copy must step aside while dynamo traces.
+    torch._dynamo.reset()
+    tower = tiny_tower(global_view=True).cuda()
+    items = [torch.randn(3, 16, 24), torch.randn(3, 32, 8)]
+    patches, grid_thw = patchify(items, PATCH)
+    patches = patches.cuda()
+    compiled = torch.compile(tower, backend="aot_eager")
+    with torch.no_grad():
+        assert relative_error(compiled(patches, grid_thw), tower(patches, grid_thw)) < 1e-5
+    torch._dynamo.reset()
