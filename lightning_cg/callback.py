@@ -99,8 +99,8 @@ class CUDAGraphCallback(Callback):
             (:func:`~lightning_cg.parallel.execute_data_parallel`). Off, or with
             one process, every rank encodes its whole batch.
         dispatch: ``budget`` (a graph wherever a budget fits) or ``measured``
-            (graphs timed against eager at capture; a sub-batch runs where it is
-            faster). Measuring needs CUDA.
+            (graphs timed against eager on the first real items; a sub-batch
+            runs where it is faster). Measuring needs CUDA.
         compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
 
     Example::

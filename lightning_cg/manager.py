@@ -266,8 +266,9 @@ class EncoderGraphManager:
             ``eager`` runs its PIECEWISE batches eagerly; ``full`` serves them
             with FULL graphs. Either fallback warns with the reason.
         dispatch: ``budget`` replays the smallest fitting budget's graph;
-            ``measured`` times each graph and eager at capture and runs a
-            sub-batch in a graph only where that is faster, else eagerly or
+            ``measured`` times each graph and eager on a path's first real
+            items (repeated to fill each budget) and runs a sub-batch in a
+            graph only where that is faster, else eagerly or
             split into smaller graphs (needs CUDA; without it, ``budget``).
         compile: capture ``torch.compile(graph_forward, dynamic=True)``
             (:class:`~lightning_cg.compiled.CompiledEncoder`); not with
