@@ -26,3 +26,16 @@ def test_profiles_one_pass_of_a_tiny_workload_on_cpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "packed_vit_small/mixed_4: 4 batches" in result.stdout
     assert "aten::linear" in result.stdout and "Self CPU time total" in result.stdout
+
+
+def test_kernels_need_cuda(tmp_path):
+    overrides = ["tiny=true", "device=cpu", "+kernels=true", f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_host.py"), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode != 0
+    assert "kernels=true records GPU kernels and needs device=cuda" in result.stderr
