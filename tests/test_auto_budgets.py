@@ -127,3 +127,29 @@ def test_predict_app_learns_the_ladder_through_the_callback():
     assert report.stats["items"] == 6 and report.stats["hits"] > 0
     assert report.max_abs_difference < 1e-4
     assert report.stats["host_us_per_replay"] > 0
+
+
+def test_auto_ladder_caps_items_per_sub_batch_at_what_the_sample_needs():
+    tower = ToyTower().eval()
+    manager = auto_manager(tower, k=3)
+    assert manager.max_items == 8 and manager.paths["local"].max_frames == 8
+    rng = random.Random(7)
+    with torch.no_grad():
+        run(manager, *make_batch(rng, [5, 9, 12]))  # the sample: 3 items in one sub-batch
+        assert manager.max_items == 4 == manager.learned_budgets["local"]["max_items"]
+        assert {graph.spec.max_frames for graph in manager._graphs.values()} == {4}
+        # A larger batch than the sample packs into more sub-batches, not eager.
+        tokens, lengths = make_batch(rng, [3] * 6)
+        assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    assert manager.stats.sub_batches == 1 + 2 and manager.stats.misses == 0
+
+
+def test_auto_ladder_keeps_the_users_item_cap():
+    manager = EncoderGraphManager(
+        ToyEncoder(ToyTower().eval(), max_budget=256),
+        budgets=BudgetConfig(ladder="auto", k=3),
+        max_items=8,
+    )
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(8), [5, 9, 12]))
+    assert manager.max_items == 8 and manager.paths["local"].max_frames == 8
