@@ -79,7 +79,8 @@ class CUDAGraphCallback(Callback):
             batches), ``ratio``, ``align``, and for ``auto`` ``k`` (budgets) and
             ``auto_sample_batches``.
         paths: per encoder path, the same keys as ``budgets``, overriding them.
-        max_items_per_batch: most items in one graph; None derives it from the budgets.
+        max_items_per_batch: most items in one graph; None derives it from the
+            budgets (an ``auto`` ladder lowers it to what its sample needs).
         max_frames_per_batch: most attention sequences (video frames) in one graph.
         stages: the stages that run through graphs: ``validate`` and/or ``predict``.
         capture_during_sanity_check: also use graphs for the sanity-check batches.
