@@ -330,10 +330,8 @@ class EncoderGraphManager:
         # An auto ladder may lower the item cap to what its sample packs, unless
         # the user set the cap, the frames or the uniform counts.
         self._max_items_limit = self.max_items
-        self._learn_max_items = (max_items, max_frames_per_batch, uniform_item_counts) == (
-            None,
-            None,
-            None,
+        self._learn_max_items = all(
+            given is None for given in (max_items, max_frames_per_batch, uniform_item_counts)
         )
         self.paths = self._plan_paths(max_items, uniform_item_counts, max_frames_per_batch)
         self._graphs: dict[tuple[Hashable, str, GraphMode, BatchDescriptor], _Graph] = {}
