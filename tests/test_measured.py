@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from toy_encoder import ToyEncoder, ToyTower
 
+from lightning_cg import measured
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
 from lightning_cg.measured import DecisionTable, check_dispatch, fill_budget
 
@@ -164,6 +165,42 @@ def measured_manager(table: DecisionTable) -> EncoderGraphManager:
     manager._tables[(graph_set, "local")] = table
     manager.reset_stats()
     return manager
+
+
+def test_table_is_timed_on_the_first_real_items_repeated(monkeypatch):
+    # CUDA timing stood in for: each timed run is executed once; a graph replay
+    # costs 1 ms, eager a ms per real row it returns.
+    manager = EncoderGraphManager(
+        ToyEncoder(ToyTower().eval()),
+        dispatch="measured",
+        budgets=BudgetConfig(budgets=[8, 16, 32, 64]),
+    )
+    timed = []
+
+    def fake_time_ms(run, repeats=10, warmup=3):
+        rows = run().shape[0]
+        is_replay = getattr(run, "func", None) == manager._replay
+        timed.append(("graph" if is_replay else "eager", rows))
+        return 1.0 if is_replay else float(rows)
+
+    monkeypatch.setattr(measured, "time_ms", fake_time_ms)
+    tower = manager.encoder.tower
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="no CUDA"):
+        run(manager, *make_batch(random.Random(9), [3]))  # captures; cannot time on the CPU
+    manager._pool = "as if captured on CUDA"  # lets the timing run; the CPU path needs no pool
+    with torch.no_grad():
+        tokens, lengths = make_batch(random.Random(10), [10, 7])
+        assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    (table,) = manager._tables.values()
+    assert table.budgets == [8, 16, 32, 64]
+    # The sub-batch packs as [7, 10]; each budget takes them in turn while they fit.
+    expected = [7, 7 + 7, 7 + 10 + 7 + 7, 3 * (7 + 10) + 7]
+    assert [tokens for tokens, _ in table.eager_points] == expected
+    # Graph and eager each ran once per budget, on the same items.
+    assert sorted(timed) == sorted(
+        [("graph", t) for t in expected] + [("eager", t) for t in expected]
+    )
+    assert table.graph_ms == {8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}
 
 
 def test_measured_dispatch_without_cuda_warns_once_and_uses_budgets():
