@@ -5,8 +5,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def profile_host(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_host.py"), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
 def test_profiles_one_pass_of_a_tiny_workload_on_cpu(tmp_path):
-    overrides = [
+    result = profile_host(
         "quick=true",
         "tiny=true",
         "device=cpu",
@@ -15,13 +25,6 @@ def test_profiles_one_pass_of_a_tiny_workload_on_cpu(tmp_path):
         "scenarios=[mixed_4]",
         "warmup=1",
         f"hydra.run.dir={tmp_path}",
-    ]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "profile_host.py"), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "packed_vit_small/mixed_4: 4 batches" in result.stdout
@@ -29,13 +32,6 @@ def test_profiles_one_pass_of_a_tiny_workload_on_cpu(tmp_path):
 
 
 def test_kernels_need_cuda(tmp_path):
-    overrides = ["tiny=true", "device=cpu", "+kernels=true", f"hydra.run.dir={tmp_path}"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "profile_host.py"), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    result = profile_host("tiny=true", "device=cpu", "+kernels=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0
     assert "kernels=true records GPU kernels and needs device=cuda" in result.stderr
