@@ -3,6 +3,7 @@
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from test_callback import trainer as quiet_trainer
 
 from lightning_cg.callback import CUDAGraphCallback
 from lightning_cg.data.synthetic import FakeDataModule, SyntheticDataModule
@@ -39,16 +40,8 @@ def datamodule(kind: str, uniform: bool = False):
 
 
 def trainer(*callbacks, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="gpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return Trainer(callbacks=list(callbacks), **{**options, **kwargs})
+    """The CPU tests' quiet Trainer, on one GPU."""
+    return quiet_trainer(*callbacks, **{"accelerator": "gpu", "devices": 1, **kwargs})
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
