@@ -159,7 +159,12 @@ class GraphableEncoder(Protocol):
         ...
 
     def replay_inputs(self, path: str, inputs: Any) -> dict[str, torch.Tensor]:
-        """The real, unpadded rows for each static buffer of ``path``."""
+        """The real, unpadded rows for each static buffer of ``path``.
+
+        Rows may be on the host for a device buffer (small metadata built from
+        host sizes): the manager pads them there and copies them in with one
+        asynchronous copy from pinned memory, no kernels and no sync.
+        """
         ...
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:

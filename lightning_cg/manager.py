@@ -692,8 +692,12 @@ class EncoderGraphManager:
             self._run_sub_batch(None, inputs, list(range(len(specs))), specs, outputs)
             return outputs
         with _graph_context():
+            everything = list(range(len(specs)))
             for indices in self._pack(specs):
-                sub_inputs = self.encoder.select_items(inputs, indices)
+                # One sub-batch of every item in order needs no gather (a copy).
+                sub_inputs = (
+                    inputs if indices == everything else self.encoder.select_items(inputs, indices)
+                )
                 self.stats.sub_batches += 1
                 self._run_sub_batch(signature, sub_inputs, indices, specs, outputs)
         return outputs
@@ -811,15 +815,22 @@ class EncoderGraphManager:
                 f"buffer {name!r} holds {tuple(buffer.shape)}; replay rows {tuple(rows.shape)} "
                 "do not fit (the adapter's capture_inputs and replay_inputs disagree)"
             )
-        if rows.dtype != buffer.dtype or rows.device != buffer.device:
+        from_host = rows.device.type == "cpu" and buffer.device.type != "cpu"
+        if rows.dtype != buffer.dtype or (rows.device != buffer.device and not from_host):
             raise RuntimeError(
                 f"buffer {name!r} is {buffer.dtype} on {buffer.device}; replay rows are "
                 f"{rows.dtype} on {rows.device}; the graph signature should have separated them"
             )
+        rule = self.config.padding_rules.get(name, "zero")
+        if from_host:
+            # Host metadata: padded where it is, then one copy that does not wait
+            # for the GPU (pinned memory), instead of a copy and a padding kernel.
+            padded = _padded(rows, buffer.shape[0], rule)
+            buffer.copy_(padded.pin_memory() if buffer.is_cuda else padded, non_blocking=True)
+            return
         buffer[:count].copy_(rows, non_blocking=True)
         if count == buffer.shape[0]:
             return
-        rule = self.config.padding_rules.get(name, "zero")
         if rule == "repeat_last" and count > 0:
             buffer[count:].copy_(rows[-1:].expand_as(buffer[count:]), non_blocking=True)
         else:
@@ -1092,6 +1103,18 @@ def module_fingerprint(module: torch.nn.Module) -> tuple:
     """
     tensors = list(module.parameters()) + list(module.buffers())
     return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in tensors)
+
+
+def _padded(rows: torch.Tensor, size: int, rule: str) -> torch.Tensor:
+    """``rows`` grown to ``size`` rows by the padding rule (``zero`` or ``repeat_last``)."""
+    missing = size - rows.shape[0]
+    if missing == 0:
+        return rows
+    if rule == "repeat_last" and rows.shape[0] > 0:
+        padding = rows[-1:].expand(missing, *rows.shape[1:])
+    else:
+        padding = rows.new_zeros((missing, *rows.shape[1:]))
+    return torch.cat([rows, padding])
 
 
 def _next_pow2(count: int) -> int:

@@ -5,7 +5,7 @@ import torch
 from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.dispatcher import GraphMode
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager, _padded, relative_error
 
 
 def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, device="cpu"):
@@ -252,3 +252,36 @@ def test_host_time_per_replay_is_counted():
     assert stats.as_dict()["host_us_per_replay"] == pytest.approx(1e6 * stats.host_seconds / 3)
     manager.reset_stats()
     assert manager.stats.host_us_per_replay == 0.0
+
+
+def test_host_rows_are_padded_by_the_buffers_rule():
+    cu_seqlens = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert _padded(cu_seqlens, 5, "repeat_last").tolist() == [0, 3, 7, 7, 7]
+    positions = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    assert _padded(positions, 3, "zero").tolist() == [[1, 2], [3, 4], [0, 0]]
+    assert _padded(positions, 2, "zero") is positions
+    # Nothing to repeat: zeros.
+    assert _padded(cu_seqlens[:0], 2, "repeat_last").tolist() == [0, 0]
+
+
+def test_a_sub_batch_of_every_item_in_order_is_not_gathered(monkeypatch):
+    manager = manager_for(ToyTower().eval(), budgets=BudgetConfig(budgets=[16, 64]), max_items=2)
+    gathered = []
+    select_items = manager.encoder.select_items
+    monkeypatch.setattr(
+        manager.encoder,
+        "select_items",
+        lambda inputs, indices: gathered.append(list(indices)) or select_items(inputs, indices),
+    )
+    rng = random.Random(11)
+    with torch.no_grad():
+        tokens, lengths = make_batch(rng, [5, 7])
+        torch.testing.assert_close(
+            run(manager, tokens, lengths), manager.encoder.tower(tokens, lengths)
+        )
+        assert gathered == []
+        tokens, lengths = make_batch(rng, [5, 7, 3])  # two sub-batches of at most 2 items
+        torch.testing.assert_close(
+            run(manager, tokens, lengths), manager.encoder.tower(tokens, lengths)
+        )
+    assert len(gathered) == 2 and sorted(sum(gathered, [])) == [0, 1, 2]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from lightning_cg.encoder import GraphableEncoder
@@ -51,3 +53,11 @@ def _adapter_name_by_type(tower: nn.Module) -> str:
         "tower(pixel_patches, grid_thw), or implement lightning_cg.encoder.GraphableEncoder "
         "on the tower (graph_config, item_specs, capture_inputs, graph_forward, ...; see README)"
     )
+
+
+def as_slice(indices: Sequence[int]) -> slice | None:
+    """``indices`` as a slice when they are consecutive and ascending (what
+    next-fit packing yields), so that selecting them is a view, not a copy."""
+    if indices and list(indices) == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[0] + len(indices))
+    return None

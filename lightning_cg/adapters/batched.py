@@ -14,6 +14,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
+from lightning_cg.adapters import as_slice
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 #: The only encoder path of a batch-first tower.
@@ -93,8 +94,15 @@ class BatchedEncoderAdapter:
         return [spec] * inputs.shape[0]
 
     def select_items(self, inputs: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
-        """The rows at ``indices``, in that order."""
-        return inputs[torch.as_tensor(indices, dtype=torch.long, device=inputs.device)]
+        """The rows at ``indices``, in that order (a view when they are consecutive)."""
+        consecutive = as_slice(indices)
+        if consecutive is not None:
+            return inputs[consecutive]
+        # From pinned memory: a pageable host-to-device copy would wait for the GPU.
+        index = torch.as_tensor(indices, dtype=torch.long)
+        if inputs.is_cuda:
+            index = index.pin_memory().to(inputs.device, non_blocking=True)
+        return inputs[index]
 
     def graph_signature(self, inputs: torch.Tensor) -> Hashable:
         """Per-item shape, dtype and device: 224 px and 384 px batches get separate graphs."""

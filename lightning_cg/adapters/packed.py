@@ -8,9 +8,11 @@ Items of any resolution are packed patch after patch (the Qwen2-VL convention of
 - ``global``: a fixed low-resolution view of each item's first frame, costing
   ``(global_grid / merge)**2`` tokens, or none when the tower's global view is off.
 
-Each path's graph holds ``pixel_patches``, ``cu_seqlens`` and the rotary tables.
+Each path's graph holds ``pixel_patches``, ``cu_seqlens`` and the patch
+``positions`` (the tower computes its rotary tables from them inside the graph).
 ``cu_seqlens`` is padded by repeating its last offset, so padding patches belong
-to no sequence and cost no attention.
+to no sequence and cost no attention. Both metadata tensors are built on the
+host and copied straight into the graph's buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from lightning_cg.adapters import as_slice
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 LOCAL_PATH = "local"
@@ -65,16 +68,13 @@ class PackedTower(Protocol):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
-    def build_metadata(
-        self, grid_thw: GridTHW, device: torch.device
-    ) -> dict[str, torch.Tensor]: ...
+    def host_metadata(self, grid_thw: GridTHW) -> dict[str, torch.Tensor]: ...
 
     def forward_packed(
         self,
         pixel_patches: torch.Tensor,
         cu_seqlens: torch.Tensor,
-        rotary_cos: torch.Tensor,
-        rotary_sin: torch.Tensor,
+        positions: torch.Tensor,
         max_seqlen: int,
     ) -> torch.Tensor: ...
 
@@ -226,8 +226,17 @@ class PackedEncoderAdapter:
         return specs
 
     def select_items(self, inputs: PackedInputs, indices: Sequence[int]) -> PackedInputs:
-        """The patches and grid rows of the items at ``indices``, in that order."""
+        """The patches and grid rows of the items at ``indices``, in that order
+        (views when the items are consecutive)."""
         offsets = [0, *itertools.accumulate(t * h * w for t, h, w in inputs.grid)]
+        consecutive = as_slice(indices)
+        if consecutive is not None:
+            start, stop = consecutive.start, consecutive.stop
+            return PackedInputs(
+                pixel_patches=inputs.pixel_patches[offsets[start] : offsets[stop]],
+                grid_thw=inputs.grid_thw[consecutive],
+                grid=inputs.grid[consecutive],
+            )
         pieces = [inputs.pixel_patches[offsets[i] : offsets[i + 1]] for i in indices]
         return PackedInputs(
             pixel_patches=torch.cat([inputs.pixel_patches[:0], *pieces]),
@@ -246,30 +255,30 @@ class PackedEncoderAdapter:
 
         Returns:
             ``pixel_patches`` ``(budget * merge**2, C*p*p)`` of the signature's dtype,
-            ``cu_seqlens`` int32 ``(max_frames + 1,)``, ``rotary_cos`` and
-            ``rotary_sin`` float32 ``(budget * merge**2, head_dim // 2)``.
+            ``cu_seqlens`` int32 ``(max_frames + 1,)`` and ``positions`` int32
+            ``(budget * merge**2, 2)``, on the signature's device.
         """
         self._check_path(spec.path)
         dtype, device = spec.signature
         merge = self.tower.config.spatial_merge_size
         rows = spec.token_budget * self._merge_area
-        metadata = self.tower.build_metadata([(1, merge, rows // merge)], device)
-        cu_seqlens = torch.full((spec.max_frames + 1,), rows, dtype=torch.int32, device=device)
+        metadata = self.tower.host_metadata([(1, merge, rows // merge)])
+        cu_seqlens = torch.full((spec.max_frames + 1,), rows, dtype=torch.int32)
         cu_seqlens[0] = 0
         return {
             "pixel_patches": torch.zeros(rows, self._patch_dim, dtype=dtype, device=device),
-            "cu_seqlens": cu_seqlens,
-            "rotary_cos": metadata["rotary_cos"],
-            "rotary_sin": metadata["rotary_sin"],
+            "cu_seqlens": cu_seqlens.to(device),
+            "positions": metadata["positions"].to(device),
         }
 
     def replay_inputs(self, path: str, inputs: PackedInputs) -> dict[str, torch.Tensor]:
-        """The path's patches (the items' own, or their global views) and metadata."""
+        """The path's patches (the items' own, or their global views) and, on the
+        host, their metadata."""
         self._check_path(path)
         patches, grid = inputs.pixel_patches, inputs.grid
         if path == GLOBAL_PATH:
             patches, grid = self.tower.global_view_patches(patches, grid)
-        return {"pixel_patches": patches, **self.tower.build_metadata(grid, patches.device)}
+        return {"pixel_patches": patches, **self.tower.host_metadata(grid)}
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``tower.forward_packed`` on the buffers; every frame fits in all their rows."""
@@ -278,8 +287,7 @@ class PackedEncoderAdapter:
         return self.tower.forward_packed(
             patches,
             buffers["cu_seqlens"],
-            buffers["rotary_cos"],
-            buffers["rotary_sin"],
+            buffers["positions"],
             max_seqlen=patches.shape[0],
         )
 

@@ -7,9 +7,10 @@ to itself, positions come from 2D rotary embeddings, and a merger maps each
 ``merge x merge`` window of patches to one output token.
 
 The forward is split so that a CUDA graph can be captured:
-:meth:`PackedViT.build_metadata` turns ``grid_thw`` into tensors on the host side,
-and :meth:`PackedViT.forward_packed` is the graphable body (no host syncs, no
-data-dependent shapes).
+:meth:`PackedViT.host_metadata` turns ``grid_thw`` into small integer tensors on
+the host (frame offsets and patch positions), and :meth:`PackedViT.forward_packed`
+is the graphable body (no host syncs, no data-dependent shapes); it computes the
+rotary tables from the positions on the device.
 
 Example:
     >>> config = PackedViTConfig(hidden_size=64, depth=2, num_heads=4, patch_size=4,
@@ -258,39 +259,38 @@ class PackedViT(nn.Module):
         view_grid = torch.tensor([[1, cfg.global_grid, cfg.global_grid]] * len(grid))
         return torch.cat([pixel_patches[:0], *views]), view_grid.reshape(-1, 3)
 
-    def build_metadata(self, grid_thw: GridTHW, device: torch.device) -> dict[str, torch.Tensor]:
-        """The attention and position tensors :meth:`forward_packed` reads.
+    def host_metadata(self, grid_thw: GridTHW) -> dict[str, torch.Tensor]:
+        """The attention and position tensors :meth:`forward_packed` reads, on the host.
 
-        Built outside any graph (it reads the grid on the host).
+        Built outside any graph (it reads the grid on the host); a graph's static
+        buffers take them in one copy each.
 
         Returns:
             ``cu_seqlens`` int32 ``(frames + 1,)``: one sequence per frame;
-            ``rotary_cos`` and ``rotary_sin`` float32 ``(patches, head_dim // 2)``.
+            ``positions`` int32 ``(patches, 2)``: each patch's row and column.
         """
         grid = _as_grid(grid_thw)
         frame_sizes = [h * w for t, h, w in grid for _ in range(t)]
         cu_seqlens = torch.tensor([0, *itertools.accumulate(frame_sizes)], dtype=torch.int32)
         merge = self.config.spatial_merge_size
         positions = torch.cat(
-            [torch.empty((0, 2), dtype=torch.long)]
+            [torch.empty((0, 2), dtype=torch.int32)]
             + [_frame_positions(h, w, merge).repeat(t, 1) for t, h, w in grid]
-        )  # (T, 2) patch row and column
-        rotary_dim = self.config.head_dim // 2  # per axis
-        exponents = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
-        inv_freq = _ROPE_THETA**-exponents  # (head_dim // 4,)
-        angles = (_to_device(positions, device)[..., None] * inv_freq).flatten(1)  # (T, hd // 2)
+        )
+        return {"cu_seqlens": cu_seqlens, "positions": positions}
+
+    def build_metadata(self, grid_thw: GridTHW, device: torch.device) -> dict[str, torch.Tensor]:
+        """:meth:`host_metadata` on ``device``, copied without waiting for the GPU."""
         return {
-            "cu_seqlens": _to_device(cu_seqlens, device),
-            "rotary_cos": angles.cos(),
-            "rotary_sin": angles.sin(),
+            name: _to_device(tensor, device)
+            for name, tensor in self.host_metadata(grid_thw).items()
         }
 
     def forward_packed(
         self,
         pixel_patches: torch.Tensor,
         cu_seqlens: torch.Tensor,
-        rotary_cos: torch.Tensor,
-        rotary_sin: torch.Tensor,
+        positions: torch.Tensor,
         max_seqlen: int,
     ) -> torch.Tensor:
         """The graphable body: packed patches and metadata to output tokens.
@@ -302,8 +302,7 @@ class PackedViT(nn.Module):
         Args:
             pixel_patches: ``(T, C*p*p)``; ``T`` a multiple of ``merge**2``.
             cu_seqlens: int32 ``(frames + 1,)`` frame offsets into the rows.
-            rotary_cos: float32 ``(T, head_dim // 2)``.
-            rotary_sin: float32 ``(T, head_dim // 2)``.
+            positions: integer ``(T, 2)`` patch row and column (zeros for padding).
             max_seqlen: an upper bound on the longest frame, as a Python int.
 
         Returns:
@@ -311,9 +310,21 @@ class PackedViT(nn.Module):
         """
         x = self.patch_embed(pixel_patches.to(self.patch_embed.weight.dtype))  # (T, D)
         attend = _frame_attention(cu_seqlens, x.shape[0], max_seqlen, self._uses_varlen(x.device))
+        rotary_cos, rotary_sin = self._rotary_tables(positions)
         for block in self.blocks:
             x = block(x, rotary_cos, rotary_sin, attend)
         return self.merger(x)
+
+    def _rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin ``(T, head_dim // 2)``: half by patch row, half by column."""
+        rotary_dim = self.config.head_dim // 2  # per axis
+        exponents = (
+            torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32)
+            / rotary_dim
+        )
+        inv_freq = _ROPE_THETA**-exponents  # (head_dim // 4,)
+        angles = (positions.float()[..., None] * inv_freq).flatten(1)  # (T, head_dim // 2)
+        return angles.cos(), angles.sin()
 
     def load_torchvision_vit(self, vit: nn.Module) -> None:
         """Copy the patch embedding and blocks of a torchvision ``VisionTransformer``.
@@ -497,7 +508,6 @@ def _unpatchify_frame(
     return x.reshape(c, h * p, w * p)
 
 
-@lru_cache(maxsize=256)
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy host metadata to ``device`` without waiting for the GPU.
 
@@ -511,9 +521,21 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+@lru_cache(maxsize=256)
 def _frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
-    """``(h*w, 2)`` patch (row, column) of one frame, in merge-window order."""
-    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
-    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+    """int32 ``(h*w, 2)`` patch (row, column) of one frame, in merge-window order.
+
+    Cached: images of one size share it (callers never modify it).
+    """
+    rows = (
+        torch.arange(h, dtype=torch.int32)
+        .view(h // merge, merge, 1, 1)
+        .expand(-1, -1, w // merge, merge)
+    )
+    cols = (
+        torch.arange(w, dtype=torch.int32)
+        .view(1, 1, w // merge, merge)
+        .expand(h // merge, merge, -1, -1)
+    )
     positions = torch.stack((rows, cols), dim=-1)  # (h/m, m, w/m, m, 2)
     return positions.permute(0, 2, 1, 3, 4).reshape(h * w, 2)

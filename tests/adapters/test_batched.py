@@ -72,6 +72,14 @@ def test_select_items_keeps_requested_order():
     torch.testing.assert_close(adapter.select_items(x, [3, 0, 4])[:, 0], torch.tensor([3.0, 0, 4]))
 
 
+def test_select_items_of_consecutive_rows_is_a_view():
+    adapter = BatchedEncoderAdapter(tiny_resnet())
+    x = torch.arange(5.0).view(5, 1).expand(5, 3).contiguous()
+    selected = adapter.select_items(x, [1, 2, 3])
+    torch.testing.assert_close(selected[:, 0], torch.tensor([1.0, 2, 3]))
+    assert selected.data_ptr() == x[1].data_ptr()
+
+
 def test_signature_separates_image_sizes_and_dtypes():
     adapter = BatchedEncoderAdapter(tiny_resnet())
     small = adapter.graph_signature(torch.zeros(2, 3, 224, 224))

@@ -105,8 +105,8 @@ def test_capture_inputs_are_a_valid_batch():
     assert buffers["pixel_patches"].shape == (48, 3 * PATCH * PATCH)
     assert buffers["cu_seqlens"].dtype == torch.int32
     assert buffers["cu_seqlens"].tolist() == [0, 48, 48, 48, 48, 48]
-    assert buffers["rotary_cos"].shape == buffers["rotary_sin"].shape == (48, 8)
-    assert buffers["rotary_cos"].dtype == torch.float32
+    assert buffers["positions"].shape == (48, 2)
+    assert buffers["positions"].dtype == torch.int32
     with torch.no_grad():
         out = adapter.graph_forward(LOCAL_PATH, buffers)
     assert out.shape == (12, 32)
@@ -150,6 +150,19 @@ def test_select_items_keeps_the_requested_order():
     assert sub.grid_thw.tolist() == expected_grid.tolist() == [list(g) for g in sub.grid]
     empty = adapter.select_items(inputs, [])
     assert empty.pixel_patches.shape == (0, 48) and empty.grid_thw.shape == (0, 3)
+
+
+def test_select_items_of_consecutive_items_are_views():
+    adapter = PackedEncoderAdapter(tiny_tower())
+    items = [torch.randn(3, 8, 8), torch.randn(2, 3, 8, 16), torch.randn(3, 16, 8)]
+    inputs = adapter.inputs_from_call(patchify(items, PATCH), {})
+    sub = adapter.select_items(inputs, [1, 2])
+    expected_patches, expected_grid = patchify(items[1:], PATCH)
+    torch.testing.assert_close(sub.pixel_patches, expected_patches)
+    assert sub.grid_thw.tolist() == expected_grid.tolist() == [list(g) for g in sub.grid]
+    assert sub.pixel_patches.untyped_storage().data_ptr() == (
+        inputs.pixel_patches.untyped_storage().data_ptr()
+    )
 
 
 def test_adapter_never_calls_tower_forward():

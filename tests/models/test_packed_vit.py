@@ -127,8 +127,7 @@ def test_padding_rows_leave_real_rows_unchanged_and_stay_finite():
     padded = {
         "pixel_patches": torch.cat([patches, torch.zeros(pad, patches.shape[1])]),
         "cu_seqlens": torch.cat([metadata["cu_seqlens"], metadata["cu_seqlens"][-1:].repeat(2)]),
-        "rotary_cos": torch.cat([metadata["rotary_cos"], torch.zeros(pad, 8)]),
-        "rotary_sin": torch.cat([metadata["rotary_sin"], torch.zeros(pad, 8)]),
+        "positions": torch.cat([metadata["positions"], torch.zeros(pad, 2, dtype=torch.int32)]),
     }
     with torch.no_grad():
         exact = tower.forward_packed(patches, **metadata, max_seqlen=8)
@@ -138,13 +137,28 @@ def test_padding_rows_leave_real_rows_unchanged_and_stay_finite():
     assert relative_error(out[: exact.shape[0]], exact) < 1e-5
 
 
-def test_build_metadata_has_one_sequence_per_frame():
+def test_host_metadata_has_one_sequence_per_frame_and_window_ordered_positions():
     tower = tiny_tower()
-    metadata = tower.build_metadata([(1, 4, 6), (2, 2, 2)], torch.device("cpu"))
-    assert metadata["cu_seqlens"].dtype == torch.int32
+    metadata = tower.host_metadata([(1, 4, 6), (2, 2, 2)])
+    assert metadata["cu_seqlens"].dtype == metadata["positions"].dtype == torch.int32
     assert metadata["cu_seqlens"].tolist() == [0, 24, 28, 32]
-    assert metadata["rotary_cos"].shape == metadata["rotary_sin"].shape == (32, 8)
-    torch.testing.assert_close(metadata["rotary_cos"][0], torch.ones(8))  # position (0, 0)
+    assert metadata["positions"].shape == (32, 2)
+    # Rows go merge window after window: (0,0) (0,1) (1,0) (1,1), then (0,2) ...
+    assert metadata["positions"][:5].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2]]
+    # Each frame of the video starts again at (0, 0).
+    assert metadata["positions"][24].tolist() == metadata["positions"][28].tolist() == [0, 0]
+
+
+def test_host_metadata_does_not_share_memory_between_calls():
+    tower = tiny_tower()
+    first = tower.host_metadata([(1, 2, 2)])["positions"]
+    first.zero_()  # frame positions are cached per size; callers get copies
+    assert tower.host_metadata([(1, 2, 2)])["positions"].tolist() == [
+        [0, 0],
+        [0, 1],
+        [1, 0],
+        [1, 1],
+    ]
 
 
 def test_global_view_resizes_the_first_frame():
@@ -175,8 +189,7 @@ def test_load_torchvision_vit_reproduces_its_encoder():
         out = tower.forward_packed(
             patches,
             cu_seqlens=torch.tensor([0, rows], dtype=torch.int32),
-            rotary_cos=torch.ones(rows, 8),
-            rotary_sin=torch.zeros(rows, 8),
+            positions=torch.zeros(rows, 2, dtype=torch.int32),
             max_seqlen=rows,
         )
         tokens, _ = patchify([vit.conv_proj(image[None])[0]], patch_size=1)  # (T, D)
