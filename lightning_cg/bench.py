@@ -510,7 +510,11 @@ def exact_method(tower: nn.Module, workload: Workload, settings: BenchSettings) 
         batch_graphs = []
         for path in encoder.graph_config().paths:
             if sum(spec.path_tokens.get(path, 0) for spec in specs):
-                buffers = encoder.replay_inputs(path, inputs)
+                # Metadata may come on the host; the graph reads it on the device.
+                buffers = {
+                    name: rows.to(settings.device)
+                    for name, rows in encoder.replay_inputs(path, inputs).items()
+                }
                 graph, output = _capture(partial(encoder.graph_forward, path, buffers), pool)
                 batch_graphs.append((graph, buffers, output))
         graphs.append(batch_graphs)
