@@ -823,10 +823,11 @@ class EncoderGraphManager:
             )
         rule = self.config.padding_rules.get(name, "zero")
         if from_host:
-            # Host metadata: padded where it is, then one copy that does not wait
-            # for the GPU (pinned memory), instead of a copy and a padding kernel.
-            padded = _padded(rows, buffer.shape[0], rule)
-            buffer.copy_(padded.pin_memory() if buffer.is_cuda else padded, non_blocking=True)
+            # Host metadata: padded where it is, in pinned memory, then one copy
+            # that does not wait for the GPU, instead of a copy and a padding kernel.
+            buffer.copy_(
+                _padded(rows, buffer.shape[0], rule, pin=buffer.is_cuda), non_blocking=True
+            )
             return
         buffer[:count].copy_(rows, non_blocking=True)
         if count == buffer.shape[0]:
@@ -1105,16 +1106,17 @@ def module_fingerprint(module: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in tensors)
 
 
-def _padded(rows: torch.Tensor, size: int, rule: str) -> torch.Tensor:
-    """``rows`` grown to ``size`` rows by the padding rule (``zero`` or ``repeat_last``)."""
-    missing = size - rows.shape[0]
-    if missing == 0:
-        return rows
-    if rule == "repeat_last" and rows.shape[0] > 0:
-        padding = rows[-1:].expand(missing, *rows.shape[1:])
+def _padded(rows: torch.Tensor, size: int, rule: str, pin: bool = False) -> torch.Tensor:
+    """Host ``rows`` grown to ``size`` rows by the padding rule (``zero`` or
+    ``repeat_last``), in a new tensor, in pinned memory if ``pin``."""
+    count = rows.shape[0]
+    padded = torch.empty((size, *rows.shape[1:]), dtype=rows.dtype, pin_memory=pin)
+    padded[:count] = rows
+    if rule == "repeat_last" and count > 0:
+        padded[count:] = rows[-1]
     else:
-        padding = rows.new_zeros((missing, *rows.shape[1:]))
-    return torch.cat([rows, padding])
+        padded[count:] = 0
+    return padded
 
 
 def _next_pow2(count: int) -> int:

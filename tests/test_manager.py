@@ -259,7 +259,7 @@ def test_host_rows_are_padded_by_the_buffers_rule():
     assert _padded(cu_seqlens, 5, "repeat_last").tolist() == [0, 3, 7, 7, 7]
     positions = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     assert _padded(positions, 3, "zero").tolist() == [[1, 2], [3, 4], [0, 0]]
-    assert _padded(positions, 2, "zero") is positions
+    assert _padded(positions, 2, "zero").tolist() == positions.tolist()
     # Nothing to repeat: zeros.
     assert _padded(cu_seqlens[:0], 2, "repeat_last").tolist() == [0, 0]
 

@@ -273,10 +273,8 @@ class PackedViT(nn.Module):
         frame_sizes = [h * w for t, h, w in grid for _ in range(t)]
         cu_seqlens = torch.tensor([0, *itertools.accumulate(frame_sizes)], dtype=torch.int32)
         merge = self.config.spatial_merge_size
-        positions = torch.cat(
-            [torch.empty((0, 2), dtype=torch.int32)]
-            + [_frame_positions(h, w, merge).repeat(t, 1) for t, h, w in grid]
-        )
+        frames = [_frame_positions(h, w, merge) for t, h, w in grid for _ in range(t)]
+        positions = torch.cat(frames) if frames else torch.empty((0, 2), dtype=torch.int32)
         return {"cu_seqlens": cu_seqlens, "positions": positions}
 
     def build_metadata(self, grid_thw: GridTHW, device: torch.device) -> dict[str, torch.Tensor]:
