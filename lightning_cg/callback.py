@@ -9,7 +9,6 @@ validation and prediction, and puts the original back for training.
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +27,6 @@ from lightning_cg.manager import BudgetConfig, EncoderGraphManager, GraphStats, 
 from lightning_cg.measured import check_dispatch
 from lightning_cg.parallel import execute_data_parallel
 from lightning_cg.piecewise import (
-    PiecewiseUnsupported,
     check_piecewise_fallback,
     check_splitting_ops,
 )
@@ -173,6 +171,7 @@ class CUDAGraphCallback(Callback):
         #: The manager serving the current run: ``manager``, or the eager one.
         self._run_manager: EncoderGraphManager | None = None
         self._eager: EncoderGraphManager | None = None
+        #: Whether a capture failed in an earlier run (on a manager since replaced too).
         self._capture_failed = False
 
     # ------------------------------------------------------------ set-up
@@ -214,6 +213,8 @@ class CUDAGraphCallback(Callback):
             piecewise_fallback=self.piecewise_fallback,
             dispatch=self.dispatch,
             compile=self.compile,
+            # A capture that fails mid-run turns this rank eager, not the run into an error.
+            capture_errors="eager",
         )
 
     # -------------------------------------------------------- stage hooks
@@ -259,12 +260,11 @@ class CUDAGraphCallback(Callback):
         self._tell_once_without_cuda()
         self._run_manager = self.manager if graphs_usable else self._eager_manager()
         self._run_manager.reset_stats()
-        tower, encoder, rank = self._tower, self.manager.encoder, trainer.global_rank
+        tower, manager = self._tower, self._run_manager
         execute = self._executor(trainer)
 
         def graphed_forward(*args: Any, **kwargs: Any) -> Any:
-            inputs = encoder.inputs_from_call(args, kwargs)
-            return execute(self._serving_manager(inputs, rank), inputs)
+            return execute(manager, manager.encoder.inputs_from_call(args, kwargs))
 
         # Remember an instance-level forward (another wrapper) to put it back as it was.
         self._swapped = {
@@ -275,6 +275,8 @@ class CUDAGraphCallback(Callback):
 
     def _agree_graphs_usable(self, trainer: pl.Trainer) -> bool:
         """Whether every rank can use graphs this run; if not, all run mode ``none``."""
+        # A capture error turned a manager's paths eager; every later run agrees on it.
+        self._capture_failed |= self.manager is not None and self.manager.capture_error is not None
         usable = self.manager is not None and not self._capture_failed
         agreed = trainer.strategy.reduce_boolean_decision(usable, all=True)
         if not agreed and self.manager is not None and self.mode is not GraphMode.NONE:
@@ -298,39 +300,6 @@ class CUDAGraphCallback(Callback):
             return EncoderGraphManager.execute
         device = trainer.strategy.root_device
         return lambda manager, inputs: execute_data_parallel(manager, inputs, device=device)
-
-    def _serving_manager(self, inputs: Any, rank: int) -> EncoderGraphManager:
-        """The run's manager, with this batch's graphs captured.
-
-        The manager recovers from out of memory and from towers a graph cannot
-        hold by itself (fewer budgets, an eager path). Any other capture failure
-        turns this rank eager for the rest of the run, without a collective, so
-        no rank waits on another; the ranks agree at the next swap-in.
-        """
-        manager = self._run_manager
-        if manager.mode is GraphMode.NONE or torch.is_grad_enabled():
-            return manager
-        specs = manager.encoder.item_specs(inputs)
-        paths = [path for path in manager.paths if any(s.path_tokens.get(path) for s in specs)]
-        if not paths:
-            return manager
-        try:
-            manager.capture(manager.encoder.graph_signature(inputs), paths)
-        except PiecewiseUnsupported:
-            raise  # piecewise_fallback="error" asked for it
-        except RuntimeError as error:
-            warnings.warn(
-                f"CUDAGraphCallback on rank {rank}: capturing graphs failed ({error}); this "
-                "rank runs the tower eagerly for the rest of the run, every rank from the next.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self._capture_failed = True
-            manager.clear()
-            eager = self._eager_manager()
-            eager.stats = manager.stats  # the run's counters so far
-            self._run_manager = manager = eager
-        return manager
 
     def restore(self) -> None:
         """Put the tower's original forward back (safe to call at any time)."""
@@ -364,6 +333,7 @@ class CUDAGraphCallback(Callback):
         if self._swapped is None:
             return
         self.restore()
+        self._capture_failed |= self._run_manager.capture_error is not None
         self.last_stats = reduce_stats(trainer, self._run_manager.stats.as_dict())
         metrics = {f"cudagraph/{name}": value for name, value in self.last_stats.items()}
         for logger in trainer.loggers:

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-#: Kinds of capture fault.
+#: Kinds of capture fault; the manager recovers from CAPTURE_FAILED only when
+#: asked to (``capture_errors="eager"``).
 OUT_OF_MEMORY = "out_of_memory"
 UNCAPTURABLE = "uncapturable"
+CAPTURE_FAILED = "capture_failed"
 
 
 class CaptureError(RuntimeError):
@@ -37,7 +39,7 @@ class CaptureFault:
     """A capture failure the manager can recover from.
 
     Attributes:
-        kind: :data:`OUT_OF_MEMORY` or :data:`UNCAPTURABLE`.
+        kind: :data:`OUT_OF_MEMORY`, :data:`UNCAPTURABLE` or :data:`CAPTURE_FAILED`.
         cause: what the tower did, in words.
         fix: what to change so that it captures.
         error: the first line of the error that said so.
@@ -133,6 +135,16 @@ def diagnose(error: BaseException) -> CaptureFault | None:
         _, cause, fix = _UNCAPTURABLE[-1]
         return CaptureFault(UNCAPTURABLE, cause, fix, _first_line(chain[-1]))
     return None
+
+
+def capture_failed(error: BaseException) -> CaptureFault:
+    """A :data:`CAPTURE_FAILED` fault for an error :func:`diagnose` does not know."""
+    return CaptureFault(
+        CAPTURE_FAILED,
+        "capturing raised an error of unknown cause",
+        "run the tower eagerly on a batch like this one; if that works, report the error",
+        _first_line(error),
+    )
 
 
 def is_out_of_memory(error: BaseException) -> bool:

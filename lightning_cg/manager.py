@@ -50,8 +50,10 @@ from lightning_cg.compiled import CompiledEncoder, check_compile
 from lightning_cg.dispatcher import BatchDescriptor, CudagraphDispatcher, GraphMode
 from lightning_cg.encoder import CaptureSpec, GraphableEncoder, ItemSpec
 from lightning_cg.faults import (
+    CAPTURE_FAILED,
     OUT_OF_MEMORY,
     CaptureFault,
+    capture_failed,
     capturing,
     diagnose,
     free_device_memory,
@@ -75,6 +77,8 @@ from lightning_cg.piecewise import (
     split_graph_forward,
 )
 
+#: What a capture error without a known fallback does (``capture_errors``).
+CAPTURE_ERRORS = ("raise", "eager")
 #: Largest relative error ||replay - eager|| / ||eager|| that ``verify`` accepts.
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 #: fp32 tolerance while TF32 is on: cuBLAS/cuDNN pick other TF32 kernels for the
@@ -275,6 +279,10 @@ class EncoderGraphManager:
         compile: capture ``torch.compile(graph_forward, dynamic=True)``
             (:class:`~lightning_cg.compiled.CompiledEncoder`); not with
             PIECEWISE modes.
+        capture_errors: what a capture error that is neither out of memory nor
+            a known uncapturable op does: ``raise`` it, or ``eager``: warn and
+            run every path eagerly from then on (:attr:`capture_error` says
+            why), the call that captured included.
 
     Example:
         >>> manager = EncoderGraphManager(PackedEncoderAdapter(tower), mode="full")
@@ -297,6 +305,7 @@ class EncoderGraphManager:
         piecewise_fallback: str = "error",
         dispatch: str = "budget",
         compile: bool = False,
+        capture_errors: str = "raise",
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
             raise TypeError(
@@ -320,6 +329,13 @@ class EncoderGraphManager:
             DEFAULT_SPLITTING_OPS if splitting_ops is None else splitting_ops
         )
         self.piecewise_fallback = check_piecewise_fallback(piecewise_fallback)
+        if capture_errors not in CAPTURE_ERRORS:
+            raise ValueError(
+                f"capture_errors must be one of {', '.join(CAPTURE_ERRORS)}; got {capture_errors!r}"
+            )
+        self.capture_errors = capture_errors
+        #: The capture error that turned every path eager (``capture_errors="eager"``).
+        self.capture_error: str | None = None
         self.config = encoder.graph_config()
         self.packing = packing
         self.verify = verify
@@ -469,6 +485,10 @@ class EncoderGraphManager:
             # graph and its buffers, are gone before the memory is freed.
             spec, fault = failure
             self._drop_graphs(paths, graph_set=graph_set)
+            if fault.kind == CAPTURE_FAILED:
+                self._stop_capturing(fault)
+                free_device_memory()
+                break
             if fault.kind == OUT_OF_MEMORY:
                 out_of_memory.setdefault(spec.path, []).append(spec.token_budget)
                 self._drop_budgets(spec.path, spec.token_budget)
@@ -497,10 +517,14 @@ class EncoderGraphManager:
                 graph = self._capture_one(runtime_mode, spec)
             except Exception as error:
                 fault = diagnose(error)
-                if fault is None or (
-                    fault.kind != OUT_OF_MEMORY and isinstance(error, PiecewiseUnsupported)
+                if isinstance(error, PiecewiseUnsupported) and (
+                    fault is None or fault.kind != OUT_OF_MEMORY
                 ):
-                    raise  # PiecewiseUnsupported: piecewise_fallback decides
+                    raise  # piecewise_fallback decides
+                if fault is None:
+                    if self.capture_errors == "raise":
+                        raise
+                    fault = capture_failed(error)
                 return spec, fault
             self._graphs[(graph_set, spec.path, runtime_mode, desc)] = graph
             if self.progress is not None:
@@ -547,6 +571,19 @@ class EncoderGraphManager:
         warnings.warn(
             f"EncoderGraphManager: capturing path {path!r} failed: {fault.cause} "
             f"({fault.error}). Fix: {fault.fix}. Path {path!r} runs eagerly.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _stop_capturing(self, fault: CaptureFault) -> None:
+        """Every path eager from now on, after an error no fallback is known for."""
+        self.capture_error = str(fault)
+        for plan in self.paths.values():
+            plan.eager_reason = self.capture_error
+        self._drop_graphs(list(self.paths))
+        warnings.warn(
+            f"EncoderGraphManager: capturing graphs failed: {fault.error}; every path runs "
+            "eagerly from now on (capture_errors='eager').",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -185,7 +185,7 @@ def test_a_capture_failure_on_one_rank_turns_every_rank_eager_next_run(tmp_path)
         assert run[0]["stats"] == run[1]["stats"]
     # Run 1: rank 0 replays its graphs, rank 1 falls back alone (and says so).
     assert first[0]["stats"]["hits"] > 0 and first[0]["stats"]["misses"] > 0
-    assert any("rank 1: capturing graphs failed" in m for m in first[1]["warnings"])
+    assert any("capturing graphs failed" in m for m in first[1]["warnings"])
     assert not any("capturing graphs failed" in m for m in first[0]["warnings"])
     # Run 2: the ranks agreed at swap-in: everyone runs eagerly.
     assert second[0]["stats"]["hits"] == 0 and second[0]["stats"]["items"] == NUM_ITEMS

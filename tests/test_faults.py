@@ -227,7 +227,7 @@ def test_the_callback_keeps_the_budgets_that_fit(monkeypatch):
     [warning] = messages(caught, "out of memory")
     assert "path 'local' at token budget 256, then 128" in warning
     assert not messages(caught, "capturing graphs failed")  # the rank did not turn eager
-    assert not callback._capture_failed and callback.last_stats["hits"] > 0
+    assert callback.manager.capture_error is None and callback.last_stats["hits"] > 0
     assert callback.manager.paths["local"].budgets == [8, 16, 32, 64]
     monkeypatch.undo()
     torch.testing.assert_close(graphed, predictions(), rtol=1e-5, atol=1e-6)
@@ -262,15 +262,39 @@ def test_an_unknown_capture_error_is_raised():
         run(manager, *make_batch(random.Random(0), [5]))
 
 
-def test_the_callback_runs_eagerly_after_an_unknown_capture_error(monkeypatch):
+def test_capture_errors_eager_runs_every_path_eagerly_from_then_on():
+    tower = ToyTower(global_tokens=4).eval()
+    encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError("capture exploded"))
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture_errors="eager")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_and_compare(manager, tower, [[5, 7], [3, 3, 3]])  # the call that failed too
+    [warning] = messages(caught, "capturing graphs failed")
+    assert "capture exploded" in warning and "every path runs eagerly" in warning
+    assert "capture exploded" in manager.capture_error
+    assert all(plan.eager_reason for plan in manager.paths.values())
+    assert encoder.captured == [("local", 64)]  # no attempt after the first failure
+    assert not manager._graphs and manager.stats.hits == 0
+
+
+def test_capture_errors_must_be_known():
+    with pytest.raises(ValueError, match="capture_errors must be one of raise, eager"):
+        EncoderGraphManager(ToyEncoder(ToyTower()), capture_errors="ignore")
+
+
+@pytest.mark.parametrize("ladder", ["pow2", "auto"])
+def test_the_callback_runs_eagerly_after_an_unknown_capture_error(monkeypatch, ladder):
+    # With an auto ladder the graphs are captured inside the forward of the
+    # batch that completes the sample, not before it.
     def exploding(self, spec):
         raise RuntimeError("capture exploded")
 
     monkeypatch.setattr(PackedEncoderAdapter, "capture_inputs", exploding)
-    callback = CUDAGraphCallback(budgets=CALLBACK_BUDGETS)
+    callback = CUDAGraphCallback(budgets={**CALLBACK_BUDGETS, "ladder": ladder})
     with pytest.warns(RuntimeWarning, match="capture exploded"):
         graphed = predictions(callback)
     assert callback.last_stats["hits"] == 0 and callback.last_stats["items"] == 12
+    assert "capture exploded" in callback.manager.capture_error
     monkeypatch.undo()
     torch.testing.assert_close(graphed, predictions(), rtol=1e-5, atol=1e-6)
 
