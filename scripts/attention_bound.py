@@ -9,8 +9,18 @@ head; blocks past a sequence's end return at once. Each case times 200 calls
 replayed from one CUDA graph, bf16, 12 heads of 64 (packed_vit_small).
 """
 
+import sys
+from pathlib import Path
+
+try:
+    import lightning_cg  # noqa: F401
+except ImportError:  # a checkout that is not pip-installed: import it from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 from torch.nn.attention.varlen import varlen_attn
+
+from lightning_cg.measured import time_ms
 
 HEADS, HEAD_DIM = 12, 64
 CALLS_PER_GRAPH, REPLAYS = 20, 10
@@ -38,14 +48,7 @@ def microseconds_per_call(frames: list[int], max_seqlen: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
             attend()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (REPLAYS * CALLS_PER_GRAPH)
+    return 1e3 * time_ms(graph.replay, repeats=REPLAYS, warmup=1) / CALLS_PER_GRAPH
 
 
 def main() -> dict[str, tuple[float, float]]:

@@ -10,10 +10,19 @@ Each mode is compiled afresh twice (the second time from inductor's caches);
 a row is the best of 5 timings of 50 replays.
 """
 
+import sys
+from pathlib import Path
+
+try:
+    import lightning_cg  # noqa: F401
+except ImportError:  # a checkout that is not pip-installed: import it from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import time
 
 import torch
 
+from lightning_cg.measured import time_ms
 from lightning_cg.models.packed_vit import PackedViT, packed_vit_small_config, patchify
 
 REPLAYS, TIMINGS = 50, 5
@@ -41,16 +50,8 @@ def replay_microseconds(tower: PackedViT, dynamic: bool) -> tuple[float, float]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    best = float("inf")
-    for _ in range(TIMINGS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, 1e3 * start.elapsed_time(end) / REPLAYS)
-    return best, compile_seconds
+    best = min(time_ms(graph.replay, repeats=REPLAYS) for _ in range(TIMINGS))
+    return 1e3 * best, compile_seconds
 
 
 def main() -> None:
