@@ -131,6 +131,12 @@ class CudagraphDispatcher:
         uniform_item_counts: item counts of the exact uniform FULL keys, used by
             ``full_uniform_only`` and ``full_and_piecewise``; counts above a
             budget get no key at that budget (each item has at least one token).
+        mixed_item_counts: item counts of the FULL keys that ``full`` gives
+            mixed batches: a graph per budget and count, and a batch takes the
+            smallest count that holds its items (for graphs whose metadata has
+            a slot per item, where empty slots cost time). At each budget the
+            counts stop at ``min(budget, max(counts))``, which always has a
+            key. Empty: one graph per budget for any item count.
 
     Example:
         >>> dispatcher = CudagraphDispatcher("full", [256, 1024])
@@ -143,18 +149,26 @@ class CudagraphDispatcher:
         mode: str | GraphMode,
         budgets: Sequence[int],
         uniform_item_counts: Sequence[int] = (),
+        mixed_item_counts: Sequence[int] = (),
     ) -> None:
         self.mode = GraphMode.parse(mode)
         self.budgets = _positive_ints(budgets, "budgets")
         self.uniform_item_counts = _positive_ints(uniform_item_counts, "uniform_item_counts")
+        self.mixed_item_counts = _positive_ints(mixed_item_counts, "mixed_item_counts")
         self.keys: dict[GraphMode, set[BatchDescriptor]] = {
             GraphMode.FULL: set(),
             GraphMode.PIECEWISE: set(),
         }
-        relaxed_keys = {BatchDescriptor(budget) for budget in self.budgets}
-        # Mixed batches of a budget share one graph; NONE captures nothing.
-        if self.mode.mixed_mode() in self.keys:
-            self.keys[self.mode.mixed_mode()] |= relaxed_keys
+        mixed_mode = self.mode.mixed_mode()
+        if mixed_mode is GraphMode.FULL and self.mixed_item_counts:
+            self.keys[mixed_mode] |= {
+                BatchDescriptor(budget, count)
+                for budget in self.budgets
+                for count in self._mixed_counts(budget)
+            }
+        elif mixed_mode in self.keys:
+            # Mixed batches of a budget share one graph; NONE captures nothing.
+            self.keys[mixed_mode] |= {BatchDescriptor(budget) for budget in self.budgets}
         # Uniform batches get graphs of their exact item count.
         if self.mode.separate_routine():
             self.keys[self.mode.uniform_mode()] |= {
@@ -186,12 +200,36 @@ class CudagraphDispatcher:
         padded = BatchDescriptor(budget, desc.num_items, desc.uniform)
         relaxed = padded.relaxed()
         if not disable_full:
-            for key in (padded, relaxed):
+            for key in (padded, self._mixed_key(budget, desc.num_items)):
                 if key in self.keys[GraphMode.FULL]:
                     return GraphMode.FULL, key
         if relaxed in self.keys[GraphMode.PIECEWISE]:
             return GraphMode.PIECEWISE, relaxed
         return GraphMode.NONE, None
+
+    def replace(self, **changes: object) -> CudagraphDispatcher:
+        """A dispatcher with these constructor arguments changed, the others kept."""
+        arguments = {
+            "mode": self.mode,
+            "budgets": self.budgets,
+            "uniform_item_counts": self.uniform_item_counts,
+            "mixed_item_counts": self.mixed_item_counts,
+        }
+        return CudagraphDispatcher(**{**arguments, **changes})
+
+    def _mixed_counts(self, budget: int) -> list[int]:
+        """The item counts of ``budget``'s mixed FULL keys, smallest first."""
+        cap = min(budget, self.mixed_item_counts[-1])
+        return [count for count in self.mixed_item_counts if count < cap] + [cap]
+
+    def _mixed_key(self, budget: int, items: int | None) -> BatchDescriptor:
+        """The FULL key a mixed batch of ``items`` items looks up at ``budget``."""
+        if not self.mixed_item_counts or items is None:
+            return BatchDescriptor(budget)
+        for count in self._mixed_counts(budget):
+            if items <= count:
+                return BatchDescriptor(budget, count)
+        return BatchDescriptor(budget)  # more items than any key holds: no FULL key
 
     def capture_descriptors(self) -> list[tuple[GraphMode, BatchDescriptor]]:
         """Every key to capture: PIECEWISE first, then FULL, largest first in each.

@@ -57,10 +57,16 @@ class PathConfig:
         min_token_budget: the smallest budget worth a graph on this path.
         allow_zero_tokens: items may have no tokens on this path (the path is
             off for them); a sub-batch with zero tokens skips the path.
+        per_item_metadata: the graph's metadata holds a slot per item it may
+            serve (e.g. an attention sequence per frame) and empty slots cost
+            time, so FULL graphs of mixed batches are captured at each
+            power-of-two item count of a budget, and a sub-batch replays the
+            one with the fewest slots that hold it. False: one graph per budget.
     """
 
     min_token_budget: int
     allow_zero_tokens: bool = False
+    per_item_metadata: bool = False
 
 
 @dataclass(frozen=True)

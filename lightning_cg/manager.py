@@ -424,7 +424,12 @@ class EncoderGraphManager:
             budgets, _ = self._resolve_path(path, user_max_items)
             plans[path] = _PathPlan(
                 budgets=budgets,
-                dispatcher=CudagraphDispatcher(self.mode, budgets, counts),
+                dispatcher=CudagraphDispatcher(
+                    self.mode,
+                    budgets,
+                    counts,
+                    mixed_item_counts=counts if path_config.per_item_metadata else (),
+                ),
                 allow_zero_tokens=path_config.allow_zero_tokens,
                 item_frames=frames_per_item,
                 max_frames=max_frames,
@@ -559,9 +564,7 @@ class EncoderGraphManager:
         else:
             plan.budgets = kept
             plan.ladder = ([0] if plan.allow_zero_tokens else []) + kept
-            plan.dispatcher = CudagraphDispatcher(
-                plan.dispatcher.mode, kept, plan.dispatcher.uniform_item_counts
-            )
+            plan.dispatcher = plan.dispatcher.replace(budgets=kept)
         # Graphs of other signatures at the dropped budgets are of no use any more.
         self._drop_graphs([path], from_budget=0 if plan.eager_reason else failed_budget)
 
@@ -620,10 +623,13 @@ class EncoderGraphManager:
                     # Attention runs eagerly, so the metadata may hold every frame a
                     # sub-batch can have, whatever limit FULL graphs keep to.
                     frames = max(plan.max_frames, items * plan.item_frames)
-                elif desc.num_items is None:
+                elif desc.num_items is None or (not desc.uniform and items >= self.max_items):
                     frames = plan.max_frames
-                else:
+                elif desc.uniform:
                     frames = items * plan.item_frames
+                else:
+                    # A mixed key of fewer items: as many sequence slots as they need.
+                    frames = min(items * plan.item_frames, plan.max_frames)
                 spec = CaptureSpec(path, desc.num_tokens, items, frames, signature)
                 specs.append((runtime_mode, desc, spec))
         # Largest first so smaller graphs reuse the pool blocks of larger ones.
@@ -631,7 +637,7 @@ class EncoderGraphManager:
         return specs
 
     def _capture_one(self, runtime_mode: GraphMode, spec: CaptureSpec) -> _Graph:
-        buffers = self.encoder.capture_inputs(spec)
+        buffers = self._share_buffers(spec, self.encoder.capture_inputs(spec))
         pool = self._graph_pool() if _on_cuda(buffers) else None
         if runtime_mode is GraphMode.PIECEWISE:
             pieces = PiecewiseGraph(self._split_tower(spec.path, buffers), buffers, pool)
@@ -643,6 +649,30 @@ class EncoderGraphManager:
         cuda_graph, output = self._record(spec.path, buffers)
         self.stats.graphs += 1
         return _Graph(spec, buffers, run=_replayer(cuda_graph, output), cuda_graph=cuda_graph)
+
+    def _share_buffers(
+        self, spec: CaptureSpec, buffers: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``buffers``, each replaced by an equal-shaped one of a captured graph of
+        the same path, budget and signature (filled with the new capture values).
+
+        Graphs replay one at a time and every replay fills its buffers first,
+        so the graphs of one budget (one per item count) need one set of input
+        buffers, not one each.
+        """
+        for graph in self._graphs.values():
+            other = graph.spec
+            if (other.path, other.token_budget, other.signature) != (
+                spec.path,
+                spec.token_budget,
+                spec.signature,
+            ):
+                continue
+            for name, buffer in buffers.items():
+                shared = graph.buffers.get(name)
+                if shared is not None and _same_layout(shared, buffer):
+                    buffers[name] = shared.copy_(buffer)
+        return buffers
 
     def _count_compile_seconds(self, seconds: float) -> None:
         self.stats.compile_seconds += seconds
@@ -668,9 +698,7 @@ class EncoderGraphManager:
         )
         for path in paths:
             plan = self.paths[path]
-            plan.dispatcher = CudagraphDispatcher(
-                mode, plan.budgets, plan.dispatcher.uniform_item_counts
-            )
+            plan.dispatcher = plan.dispatcher.replace(mode=mode)
         # Graph sets of other signatures recapture what the new mode needs.
         self._graph_sets = {key for key in self._graph_sets if key[1] not in paths}
         self._graphs = {
@@ -811,10 +839,12 @@ class EncoderGraphManager:
         desc = BatchDescriptor(sum(tokens), len(tokens), uniform=len(set(tokens)) == 1)
         frames = sum(spec.num_frames for spec in specs)
         runtime_mode, key = plan.dispatcher.dispatch(desc)
-        if runtime_mode is GraphMode.FULL:
-            graph = self._captured(graph_set, path, runtime_mode, key)
-            if frames > graph.spec.max_frames:
-                # More attention sequences than the graph's metadata holds.
+        if not self._holds_frames(graph_set, path, runtime_mode, key, frames):
+            # More attention sequences than the graph's metadata holds (items of
+            # several frames): a mixed key with as many slots, else no FULL graph.
+            slots = BatchDescriptor(desc.num_tokens, -(-frames // plan.item_frames))
+            runtime_mode, key = plan.dispatcher.dispatch(slots)
+            if not self._holds_frames(graph_set, path, runtime_mode, key, frames):
                 runtime_mode, key = plan.dispatcher.dispatch(desc, disable_full=True)
         if runtime_mode is GraphMode.NONE:
             return None, None
@@ -823,6 +853,19 @@ class EncoderGraphManager:
             # Only items with more frames than max_frames_per_item get here.
             return None, None
         return graph, key
+
+    def _holds_frames(
+        self,
+        graph_set: Hashable,
+        path: str,
+        runtime_mode: GraphMode,
+        key: BatchDescriptor | None,
+        frames: int,
+    ) -> bool:
+        """False only for a FULL graph with fewer sequence slots than ``frames``."""
+        if runtime_mode is not GraphMode.FULL:
+            return True
+        return frames <= self._captured(graph_set, path, runtime_mode, key).spec.max_frames
 
     def _captured(
         self, graph_set: Hashable, path: str, runtime_mode: GraphMode, key: BatchDescriptor
@@ -952,9 +995,7 @@ class EncoderGraphManager:
             budgets = choose_budgets(sums[path], choice.k, min_budget, max_budget, choice.align)
             plan.budgets = budgets
             plan.ladder = ([0] if plan.allow_zero_tokens else []) + budgets
-            plan.dispatcher = CudagraphDispatcher(
-                plan.dispatcher.mode, budgets, plan.dispatcher.uniform_item_counts
-            )
+            plan.dispatcher = plan.dispatcher.replace(budgets=budgets)
             padding = expected_padding(sums[path], budgets)
             self.learned_budgets[path] = {
                 "budgets": budgets,
@@ -984,7 +1025,10 @@ class EncoderGraphManager:
         counts = _pow2_counts(max_items)
         for plan in self.paths.values():
             plan.max_frames = max_items * plan.item_frames
-            plan.dispatcher = CudagraphDispatcher(plan.dispatcher.mode, plan.budgets, counts)
+            plan.dispatcher = plan.dispatcher.replace(
+                uniform_item_counts=counts,
+                mixed_item_counts=counts if plan.dispatcher.mixed_item_counts else (),
+            )
         log.info("sub-batches hold at most %d item(s), as many as the sample needs", max_items)
 
     def _sampling_budgets(self, specs: list[ItemSpec]) -> bool:
@@ -1200,6 +1244,15 @@ def _replayer(cuda_graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callabl
         return output
 
     return replay
+
+
+def _same_layout(first: torch.Tensor, second: torch.Tensor) -> bool:
+    return (first.shape, first.stride(), first.dtype, first.device) == (
+        second.shape,
+        second.stride(),
+        second.dtype,
+        second.device,
+    )
 
 
 def _on_cuda(buffers: Mapping[str, torch.Tensor]) -> bool:

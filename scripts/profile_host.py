@@ -2,20 +2,27 @@
 
     python scripts/profile_host.py workloads=[packed_vit] scenarios=[photos]
     python scripts/profile_host.py workloads=[packed_vit_small] scenarios=[mixed_4] +kernels=true
+    python scripts/profile_host.py workloads=[stream] +kernels=true +against=compile \
+        manager.compile=true +manager.budgets.ladder=auto manager.dispatch=measured
 
-Takes conf/bench.yaml and its overrides (the first workload of the first tower,
-the first mode, the ``manager`` settings), warms the manager up, then profiles
-one pass on the CPU side and prints the ops with the most self CPU time. Syncs
-(``cudaStreamSynchronize``, ``cudaDeviceSynchronize``), pinned or device
-allocations (``cudaHostAlloc``, ``cudaMalloc``) and graph launches show up by name.
+Takes conf/bench.yaml and its overrides (the first workload: a tower's first
+scenario, or ``stream``; the first mode; the ``manager`` settings), warms the
+manager up, then profiles one pass on the CPU side and prints the ops with the
+most self CPU time. Syncs (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``),
+pinned or device allocations (``cudaHostAlloc``, ``cudaMalloc``) and graph
+launches show up by name.
 
-``+kernels=true`` (CUDA only) also records GPU kernels and prints, for
-lightning-cg and for the exact-shape graph on the same batches, the kernels
-with the most device time and the device total: the GPU work lightning-cg adds
-over the limit, kernel by kernel.
+``+kernels=true`` (CUDA only) also records GPU work and prints, for lightning-cg
+and for the method named by ``+against`` (``exact``, the default, or
+``compile``: torch.compile reduce-overhead) on the same batches, per batch:
+the wall time, the time the GPU is busy and idle, the number of kernels,
+copies and memsets; then the kernels with the most device time. Idle GPU time
+is host latency the GPU waits for; busy time is the GPU work itself.
+``+trace_dir=DIR`` also writes each method's Chrome trace there.
 """
 
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,17 +34,25 @@ except ImportError:  # a checkout that is not pip-installed: import it from the 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_cg.bench import (
+    STREAM,
+    Runner,
+    Workload,
     build_tower,
+    compile_method,
     exact_method,
     graph_method,
     resolve_settings,
+    stream_workload,
     tower_workloads,
 )
+from lightning_cg.measured import time_ms
 
 ROWS = 25
+AGAINST = {"exact": exact_method, "compile": compile_method}
 
 
 def profile_pass(
@@ -49,47 +64,102 @@ def profile_pass(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kernels else [])
     with torch.inference_mode():
         for _ in range(max(1, warmup)):
-            for index in range(batches):
-                step(index)
+            run_pass(step, batches)
         sync()
         with profile(activities=activities) as profiler:
-            for index in range(batches):
-                step(index)
+            run_pass(step, batches)
             sync()
     return profiler
 
 
-def device_ms(profiler: profile) -> float:
-    """Milliseconds of GPU kernels in the profile."""
-    return sum(event.self_device_time_total for event in profiler.key_averages()) / 1e3
+def run_pass(step: Callable[[int], object], batches: int) -> None:
+    for index in range(batches):
+        step(index)
+
+
+def device_summary(profiler: profile, batches: int) -> str:
+    """GPU busy and idle time, kernels, copies and memsets per batch.
+
+    Busy is the union of the intervals of all GPU activity; idle is the rest of
+    the span from the first to the last of them.
+    """
+    events = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    if not events:
+        return "no GPU activity recorded"
+    intervals = sorted((event.time_range.start, event.time_range.end) for event in events)
+    busy, end = 0.0, intervals[0][0]
+    for start, stop in intervals:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - intervals[0][0]
+    kinds = Counter(_kind(event.name) for event in events)
+    counts = ", ".join(f"{count / batches:.1f} {kind}" for kind, count in sorted(kinds.items()))
+    return (
+        f"per batch: GPU busy {busy / batches:.1f} us, idle {(span - busy) / batches:.1f} us; "
+        f"{counts}"
+    )
+
+
+def _kind(name: str) -> str:
+    if name.startswith("Memcpy"):
+        return f"copies {name.split()[1]}"  # "Memcpy HtoD (Pinned -> Device)"
+    if name.startswith("Memset"):
+        return "memsets"
+    return "kernels"
+
+
+def load_workload(settings) -> tuple[str, Workload, torch.nn.Module]:
+    name = settings.workloads[0]
+    tower_name = settings.stream["tower"] if name == STREAM else name
+    tower = build_tower(tower_name, settings.sizes["towers"][tower_name], settings)
+    if name == STREAM:
+        return tower_name, stream_workload(tower_name, tower, settings), tower
+    return tower_name, tower_workloads(tower_name, tower, settings)[0], tower
+
+
+def report(name: str, runner: Runner, batches: int, warmup: int, trace_dir: str | None) -> None:
+    profiler = profile_pass(runner.step, batches, warmup, kernels=True)
+    with torch.inference_mode():
+        wall_us = 1e3 * time_ms(lambda: run_pass(runner.step, batches), repeats=3) / batches
+    print(f"{name}: wall {wall_us:.1f} us per batch; {device_summary(profiler, batches)}")
+    print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=ROWS))
+    if trace_dir is not None:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(trace_dir) / f"{name}.json"))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
 def main(config: DictConfig) -> None:
     options = OmegaConf.to_container(config, resolve=True)
     kernels = bool(options.pop("kernels", False))
+    against = options.pop("against", "exact")
+    trace_dir = options.pop("trace_dir", None)
+    if against not in AGAINST:
+        raise ValueError(f"against must be one of {', '.join(AGAINST)}; got {against!r}")
     settings = resolve_settings(options)
     if kernels and settings.device.type != "cuda":
         raise ValueError("kernels=true records GPU kernels and needs device=cuda")
-    tower_name = settings.workloads[0]
-    tower = build_tower(tower_name, settings.sizes["towers"][tower_name], settings)
-    workload = tower_workloads(tower_name, tower, settings)[0]
+    _, workload, tower = load_workload(settings)
     batches = len(workload.batches)
     runner = graph_method(tower, workload, settings, mode=settings.modes[0])
     # Warm-up passes capture and (dispatch=measured) time the decision table;
     # the reset keeps both out of the figures.
     profile_pass(runner.step, batches, settings.warmup, kernels=False)
     runner.manager.reset_stats()
-    graphed = profile_pass(runner.step, batches, 0, kernels)
+    graphed = profile_pass(runner.step, batches, 0, kernels=False)
     host_us = runner.manager.stats.host_us_per_replay
     print(f"{workload.name}: {batches} batches, host us per replay {host_us:.0f}")
     print(graphed.key_averages().table(sort_by="self_cpu_time_total", row_limit=ROWS))
     if not kernels:
         return
-    exact = profile_pass(exact_method(tower, workload, settings).step, batches, 1, kernels)
-    for name, profiler in (("lightning-cg", graphed), ("exact", exact)):
-        print(f"{name}: GPU kernels {device_ms(profiler):.2f} ms in {batches} batches")
-        print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=ROWS))
+    report("lightning-cg", runner, batches, 0, trace_dir)
+    other = AGAINST[against](tower, workload, settings)
+    try:
+        # The first pass records (exact) or compiles (compile); one more warms up.
+        report(against, other, batches, 2, trace_dir)
+    finally:
+        if other.close is not None:
+            other.close()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,58 @@ def test_exact_keys_skip_counts_above_the_budget():
     }
 
 
+def test_mixed_item_counts_key_full_graphs_by_item_count_up_to_the_budget():
+    dispatcher = CudagraphDispatcher(FULL, [2, 6, 64], mixed_item_counts=[1, 2, 4, 8])
+    assert dispatcher.keys[FULL] == {
+        BatchDescriptor(2, 1),
+        BatchDescriptor(2, 2),
+        # 6 tokens hold at most 6 items: the count stops there, not at 4 or 8.
+        *(BatchDescriptor(6, count) for count in (1, 2, 4, 6)),
+        *(BatchDescriptor(64, count) for count in (1, 2, 4, 8)),
+    }
+    assert dispatcher.keys[PIECEWISE] == set()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "items", "key"),
+    [
+        (1, 1, BatchDescriptor(2, 1)),
+        (2, 2, BatchDescriptor(2, 2)),
+        (5, 3, BatchDescriptor(6, 4)),
+        (6, 5, BatchDescriptor(6, 6)),
+        (10, 1, BatchDescriptor(64, 1)),
+        (40, 3, BatchDescriptor(64, 4)),
+        (40, 8, BatchDescriptor(64, 8)),
+    ],
+)
+def test_mixed_batches_take_the_smallest_item_count_that_holds_them(tokens, items, key):
+    dispatcher = CudagraphDispatcher(FULL, [2, 6, 64], mixed_item_counts=[1, 2, 4, 8])
+    assert dispatcher.dispatch(BatchDescriptor(tokens, items)) == (FULL, key)
+    assert dispatcher.dispatch(BatchDescriptor(tokens, items, uniform=True)) == (FULL, key)
+
+
+def test_more_items_than_any_mixed_count_find_no_full_graph():
+    dispatcher = CudagraphDispatcher(FULL, [64], mixed_item_counts=[1, 2])
+    assert dispatcher.dispatch(BatchDescriptor(10, 3)) == (NONE, None)
+
+
+@pytest.mark.parametrize("mode", [NONE, PIECEWISE, FULL_UNIFORM_ONLY, FULL_AND_PIECEWISE])
+def test_mixed_item_counts_change_nothing_where_mixed_batches_are_not_full(mode):
+    plain = CudagraphDispatcher(mode, BUDGETS, COUNTS)
+    counted = CudagraphDispatcher(mode, BUDGETS, COUNTS, mixed_item_counts=[1, 2])
+    assert counted.keys == plain.keys
+    assert counted.dispatch(MIXED) == plain.dispatch(MIXED)
+
+
+def test_replace_changes_only_the_arguments_given():
+    dispatcher = CudagraphDispatcher(FULL, BUDGETS, COUNTS, mixed_item_counts=[1, 2])
+    smaller = dispatcher.replace(budgets=[64])
+    assert (smaller.mode, smaller.budgets) == (FULL, [64])
+    assert smaller.uniform_item_counts == COUNTS and smaller.mixed_item_counts == [1, 2]
+    assert smaller.keys[FULL] == {BatchDescriptor(64, 1), BatchDescriptor(64, 2)}
+    assert dispatcher.replace(mode=PIECEWISE).keys[PIECEWISE] == {BatchDescriptor(64), RELAXED_KEY}
+
+
 UNIFORM = BatchDescriptor(100, 2, uniform=True)
 MIXED = BatchDescriptor(100, 2)
 EXACT_KEY = BatchDescriptor(256, 2, True)
@@ -215,6 +267,12 @@ def test_capture_descriptors_of_single_routine_modes(mode, expected):
 def test_invalid_values_name_the_field(budgets, counts, field):
     with pytest.raises(ValueError, match=f"^{field} must be positive integers"):
         CudagraphDispatcher(FULL, budgets, counts)
+
+
+@pytest.mark.parametrize("counts", [[0], [1, -2], [1.5]])
+def test_invalid_mixed_item_counts_name_the_field(counts):
+    with pytest.raises(ValueError, match="^mixed_item_counts must be positive integers"):
+        CudagraphDispatcher(FULL, BUDGETS, mixed_item_counts=counts)
 
 
 def test_invalid_mode_is_rejected_at_construction():

@@ -4,8 +4,10 @@ import pytest
 import torch
 from toy_encoder import ToyEncoder, ToyTower
 
+from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager, _padded, relative_error
+from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
 
 
 def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, device="cpu"):
@@ -23,8 +25,9 @@ def random_lengths(rng: random.Random, max_budget: int) -> list[int]:
     ]
 
 
-def manager_for(tower: ToyTower, **kwargs) -> EncoderGraphManager:
-    return EncoderGraphManager(ToyEncoder(tower, max_budget=64), **kwargs)
+def manager_for(tower: ToyTower, per_item_metadata: bool = False, **kwargs) -> EncoderGraphManager:
+    encoder = ToyEncoder(tower, max_budget=64, per_item_metadata=per_item_metadata)
+    return EncoderGraphManager(encoder, **kwargs)
 
 
 def run(manager: EncoderGraphManager, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -32,13 +35,16 @@ def run(manager: EncoderGraphManager, tokens: torch.Tensor, lengths: torch.Tenso
 
 
 @pytest.mark.parametrize("global_tokens", [0, 4])
-@pytest.mark.parametrize("mode", ["full", "full_uniform_only", "none"])
+@pytest.mark.parametrize(
+    ("mode", "per_item_metadata"),
+    [("full", False), ("full", True), ("full_uniform_only", True), ("none", False)],
+)
 @pytest.mark.parametrize("packing", ["next_fit", "min_padding"])
-def test_replay_equals_eager_on_random_batches(global_tokens, mode, packing):
+def test_replay_equals_eager_on_random_batches(global_tokens, mode, per_item_metadata, packing):
     torch.manual_seed(0)
-    rng = random.Random(f"{global_tokens}{mode}{packing}")
+    rng = random.Random(f"{global_tokens}{mode}{per_item_metadata}{packing}")
     tower = ToyTower(global_tokens=global_tokens).eval()
-    manager = manager_for(tower, mode=mode, packing=packing)
+    manager = manager_for(tower, per_item_metadata, mode=mode, packing=packing)
     with torch.no_grad():
         for _ in range(200):
             tokens, lengths = make_batch(rng, random_lengths(rng, 64))
@@ -89,6 +95,75 @@ def test_frames_over_capacity_skip_the_graph():
         assert relative_error(actual, tower(tokens, lengths)) < 1e-5
         run(manager, *make_batch(rng, [3, 3]))
     assert manager.stats.hits == 1
+
+
+def test_per_item_metadata_captures_a_graph_per_item_count_sharing_input_buffers():
+    manager = manager_for(
+        ToyTower().eval(),
+        per_item_metadata=True,
+        budgets=BudgetConfig(budgets=[8, 32]),
+        max_items=4,
+    )
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(6), [3]))
+    local = {key[3]: graph for key, graph in manager._graphs.items() if key[1] == "local"}
+    assert sorted((key.num_tokens, key.num_items) for key in local) == [
+        (budget, count) for budget in (8, 32) for count in (1, 2, 4)
+    ]
+    for key, graph in local.items():
+        assert graph.spec.max_frames == key.num_items
+        assert graph.buffers["cu_seqlens"].shape == (key.num_items + 1,)
+    for budget in (8, 32):
+        tokens = {
+            graph.buffers["tokens"].data_ptr()
+            for key, graph in local.items()
+            if key.num_tokens == budget
+        }
+        assert len(tokens) == 1  # one input buffer per budget, whatever the item count
+    assert len({graph.buffers["tokens"].data_ptr() for graph in local.values()}) == 2
+
+
+def test_a_sub_batch_replays_the_graph_with_the_fewest_slots_that_hold_it(monkeypatch):
+    tower = ToyTower().eval()
+    manager = manager_for(
+        tower, per_item_metadata=True, budgets=BudgetConfig(budgets=[32]), max_items=8
+    )
+    slots = []
+    replay = manager._replay
+
+    def spy(graph, path, inputs, total):
+        slots.append(graph.spec.max_frames)
+        return replay(graph, path, inputs, total)
+
+    monkeypatch.setattr(manager, "_replay", spy)
+    rng = random.Random(7)
+    with torch.no_grad():
+        for lengths in ([5], [5, 6], [2, 3, 4], [1, 2, 3, 4, 5], [1] * 8):
+            tokens, lengths = make_batch(rng, lengths)
+            assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    assert slots == [1, 2, 4, 8, 8]
+
+
+def test_an_item_of_several_frames_takes_a_graph_with_enough_slots(monkeypatch):
+    config = PackedViTConfig(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
+    tower = PackedViT(config).eval()
+    # One frame per item by default: a two-frame video needs the two-slot graph.
+    adapter = PackedEncoderAdapter(tower, min_token_budget=4)
+    manager = EncoderGraphManager(adapter, budgets=BudgetConfig(budgets=[32]), max_items=4)
+    slots = []
+    replay = manager._replay
+
+    def spy(graph, path, inputs, total):
+        slots.append(graph.spec.max_frames)
+        return replay(graph, path, inputs, total)
+
+    monkeypatch.setattr(manager, "_replay", spy)
+    patches, grid_thw = patchify([torch.randn(2, 3, 16, 16)], config.patch_size)
+    with torch.no_grad():
+        actual = manager.execute(adapter.inputs_from_call((patches, grid_thw), {}))
+        expected = tower(patches, grid_thw)
+    assert slots == [2] and manager.stats.hits == 1
+    assert relative_error(actual, expected) < 1e-5
 
 
 def test_uniform_only_mode_serves_uniform_batches_only():

@@ -80,15 +80,18 @@ class ToyInputs:
 class ToyEncoder:
     """GraphableEncoder of :class:`ToyTower`: paths ``local`` and ``global``."""
 
-    def __init__(self, tower: ToyTower, max_budget: int = 64) -> None:
+    def __init__(
+        self, tower: ToyTower, max_budget: int = 64, per_item_metadata: bool = False
+    ) -> None:
         self.tower = tower
         self.max_budget = max_budget
+        self.per_item_metadata = per_item_metadata
 
     def graph_config(self) -> EncoderGraphConfig:
         return EncoderGraphConfig(
             modalities=("image",),
             paths={
-                "local": PathConfig(min_token_budget=8),
+                "local": PathConfig(min_token_budget=8, per_item_metadata=self.per_item_metadata),
                 "global": PathConfig(
                     min_token_budget=max(self.tower.global_tokens, 1),
                     allow_zero_tokens=not self.tower.global_tokens,

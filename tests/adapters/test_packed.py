@@ -122,6 +122,8 @@ def test_graph_config_and_item_specs(global_view):
     assert config.paths[LOCAL_PATH].min_token_budget == 64
     assert config.paths[GLOBAL_PATH].min_token_budget == 4
     assert config.paths[GLOBAL_PATH].allow_zero_tokens is not global_view
+    assert config.paths[LOCAL_PATH].per_item_metadata
+    assert not config.paths[GLOBAL_PATH].per_item_metadata
     assert config.padding_rules == {"cu_seqlens": "repeat_last"}
     assert (config.max_frames_per_item, config.out_hidden_size) == (4, 32)
     assert adapter.token_budget_range(LOCAL_PATH) == (64, 4096)
