@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from lightning_cg.encoder import GraphableEncoder
@@ -61,3 +62,27 @@ def as_slice(indices: Sequence[int]) -> slice | None:
     if indices and list(indices) == list(range(indices[0], indices[0] + len(indices))):
         return slice(indices[0], indices[0] + len(indices))
     return None
+
+
+def join_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(rows)``, without the copy when ``rows`` already lie one after
+    another in one tensor's memory and fill all of it: then the result is a
+    view of that memory. The manager's rows of one sub-batch are such a split
+    of one fresh tensor (a clone of a graph's output, or an eager output)."""
+    first = rows[0]
+    storage = first.untyped_storage()
+    position = storage.data_ptr()
+    for row in rows:
+        if not (
+            row.is_contiguous()
+            and row.shape[1:] == first.shape[1:]
+            and (row.dtype, row.device) == (first.dtype, first.device)
+            and row.numel() > 0
+            and row.data_ptr() == position
+        ):
+            return torch.cat(rows)
+        position += row.nbytes
+    if position != storage.data_ptr() + storage.nbytes():
+        return torch.cat(rows)
+    count = sum(row.shape[0] for row in rows)
+    return first.as_strided((count, *first.shape[1:]), first.stride(), first.storage_offset())

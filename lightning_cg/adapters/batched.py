@@ -14,7 +14,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lightning_cg.adapters import as_slice
+from lightning_cg.adapters import as_slice, join_rows
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 #: The only encoder path of a batch-first tower.
@@ -142,7 +142,7 @@ class BatchedEncoderAdapter:
         """
         if not outputs:
             return self._run(inputs)
-        return torch.cat([output[IMAGE_PATH] for output in outputs])
+        return join_rows([output[IMAGE_PATH] for output in outputs])
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         out = self._forward(x)

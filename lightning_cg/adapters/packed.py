@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lightning_cg.adapters import as_slice
+from lightning_cg.adapters import as_slice, join_rows
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 LOCAL_PATH = "local"
@@ -308,11 +308,12 @@ class PackedEncoderAdapter:
         """Each item's local rows then its global rows, item after item, as the tower's forward.
 
         Returns:
-            ``(sum(tokens per item), out_hidden_size)``, a fresh tensor.
+            ``(sum(tokens per item), out_hidden_size)``: a new tensor, or, where the
+            rows already lie in order in one fresh tensor, a view of all of it.
         """
         rows = [output[path] for output in outputs for path in PATHS if path in output]
         if rows:
-            return torch.cat(rows)
+            return join_rows(rows)
         return torch.empty(
             (0, self.tower.config.out_hidden_size),
             dtype=next(self.tower.parameters()).dtype,
