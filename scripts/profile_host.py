@@ -39,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lightning_cg.bench import (
     STREAM,
+    BenchSettings,
     Runner,
     Workload,
     build_tower,
@@ -108,13 +109,14 @@ def _kind(name: str) -> str:
     return "kernels"
 
 
-def load_workload(settings) -> tuple[str, Workload, torch.nn.Module]:
+def load_workload(settings: BenchSettings) -> tuple[Workload, torch.nn.Module]:
+    """The first configured workload (a tower's first scenario, or the stream) and its tower."""
     name = settings.workloads[0]
     tower_name = settings.stream["tower"] if name == STREAM else name
     tower = build_tower(tower_name, settings.sizes["towers"][tower_name], settings)
     if name == STREAM:
-        return tower_name, stream_workload(tower_name, tower, settings), tower
-    return tower_name, tower_workloads(tower_name, tower, settings)[0], tower
+        return stream_workload(tower_name, tower, settings), tower
+    return tower_workloads(tower_name, tower, settings)[0], tower
 
 
 def report(name: str, runner: Runner, batches: int, warmup: int, trace_dir: str | None) -> None:
@@ -139,7 +141,7 @@ def main(config: DictConfig) -> None:
     settings = resolve_settings(options)
     if kernels and settings.device.type != "cuda":
         raise ValueError("kernels=true records GPU kernels and needs device=cuda")
-    _, workload, tower = load_workload(settings)
+    workload, tower = load_workload(settings)
     batches = len(workload.batches)
     runner = graph_method(tower, workload, settings, mode=settings.modes[0])
     # Warm-up passes capture and (dispatch=measured) time the decision table;

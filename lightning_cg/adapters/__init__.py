@@ -65,10 +65,11 @@ def as_slice(indices: Sequence[int]) -> slice | None:
 
 
 def join_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(rows)``, without the copy when ``rows`` already lie one after
-    another in one tensor's memory and fill all of it: then the result is a
-    view of that memory. The manager's rows of one sub-batch are such a split
-    of one fresh tensor (a clone of a graph's output, or an eager output)."""
+    """``torch.cat(rows)`` of one or more tensors, without the copy when ``rows``
+    already lie one after another in one tensor's memory and fill all of it:
+    then the result is a view of that memory. The manager's rows of one
+    sub-batch are such a split of one fresh tensor (a clone of a graph's
+    output, or an eager output)."""
     first = rows[0]
     storage = first.untyped_storage()
     position = storage.data_ptr()

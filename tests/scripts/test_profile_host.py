@@ -35,3 +35,24 @@ def test_kernels_need_cuda(tmp_path):
     result = profile_host("tiny=true", "device=cpu", "+kernels=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0
     assert "kernels=true records GPU kernels and needs device=cuda" in result.stderr
+
+
+def test_profiles_the_stream_workload_on_cpu(tmp_path):
+    result = profile_host(
+        "quick=true",
+        "tiny=true",
+        "device=cpu",
+        "dtype=float32",
+        "workloads=[stream]",
+        "stream.shapes=5",
+        "warmup=1",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stream/packed_vit_small: 5 batches" in result.stdout
+
+
+def test_against_names_the_allowed_methods(tmp_path):
+    result = profile_host("tiny=true", "device=cpu", "+against=eager", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert "against must be one of exact, compile; got 'eager'" in result.stderr
