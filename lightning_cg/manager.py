@@ -417,6 +417,7 @@ class EncoderGraphManager:
         counts = list(uniform_item_counts or _pow2_counts(self.max_items))
         frames_per_item = self.config.max_frames_per_item
         max_frames = max_frames_per_batch or self.max_items * frames_per_item
+        slot_counts = _slot_counts(self.max_items, max_frames, frames_per_item)
         plans = {}
         for path, path_config in self.config.paths.items():
             # The user's max_items, not the resolved one: that would start
@@ -428,7 +429,7 @@ class EncoderGraphManager:
                     self.mode,
                     budgets,
                     counts,
-                    mixed_item_counts=counts if path_config.per_item_metadata else (),
+                    mixed_item_counts=slot_counts if path_config.per_item_metadata else (),
                 ),
                 allow_zero_tokens=path_config.allow_zero_tokens,
                 item_frames=frames_per_item,
@@ -623,10 +624,11 @@ class EncoderGraphManager:
                     # Attention runs eagerly, so the metadata may hold every frame a
                     # sub-batch can have, whatever limit FULL graphs keep to.
                     frames = max(plan.max_frames, items * plan.item_frames)
-                elif desc.num_items is None or (not desc.uniform and items >= self.max_items):
-                    frames = plan.max_frames
                 elif desc.uniform:
                     frames = items * plan.item_frames
+                elif desc.num_items is None or items >= min(desc.num_tokens, self.max_items):
+                    # One graph for any item count, or a budget's most items.
+                    frames = plan.max_frames
                 else:
                     # A mixed key of fewer items: as many sequence slots as they need.
                     frames = min(items * plan.item_frames, plan.max_frames)
@@ -842,8 +844,8 @@ class EncoderGraphManager:
         if not self._holds_frames(graph_set, path, runtime_mode, key, frames):
             # More attention sequences than the graph's metadata holds (items of
             # several frames): a mixed key with as many slots, else no FULL graph.
-            slots = BatchDescriptor(desc.num_tokens, -(-frames // plan.item_frames))
-            runtime_mode, key = plan.dispatcher.dispatch(slots)
+            slots = min(-(-frames // plan.item_frames), self.max_items)
+            runtime_mode, key = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
             if not self._holds_frames(graph_set, path, runtime_mode, key, frames):
                 runtime_mode, key = plan.dispatcher.dispatch(desc, disable_full=True)
         if runtime_mode is GraphMode.NONE:
@@ -1025,9 +1027,10 @@ class EncoderGraphManager:
         counts = _pow2_counts(max_items)
         for plan in self.paths.values():
             plan.max_frames = max_items * plan.item_frames
+            slot_counts = _slot_counts(max_items, plan.max_frames, plan.item_frames)
             plan.dispatcher = plan.dispatcher.replace(
                 uniform_item_counts=counts,
-                mixed_item_counts=counts if plan.dispatcher.mixed_item_counts else (),
+                mixed_item_counts=slot_counts if plan.dispatcher.mixed_item_counts else (),
             )
         log.info("sub-batches hold at most %d item(s), as many as the sample needs", max_items)
 
@@ -1211,6 +1214,17 @@ def _pow2_counts(max_items: int) -> list[int]:
     if counts[-1] != max_items:
         counts.append(max_items)
     return counts
+
+
+def _slot_counts(max_items: int, max_frames: int, frames_per_item: int) -> list[int]:
+    """Item counts of the FULL graphs of a path with per-item metadata: the powers
+    of two whose frames stay below ``max_frames``, then ``max_items``, whose
+    graph holds all ``max_frames`` (the one graph per budget it replaces)."""
+    return [
+        count
+        for count in _pow2_counts(max_items)
+        if count < max_items and count * frames_per_item < max_frames
+    ] + [max_items]
 
 
 def _autocast_key() -> tuple:

@@ -144,25 +144,83 @@ def test_a_sub_batch_replays_the_graph_with_the_fewest_slots_that_hold_it(monkey
     assert slots == [1, 2, 4, 8, 8]
 
 
-def test_an_item_of_several_frames_takes_a_graph_with_enough_slots(monkeypatch):
+def local_slots(manager: EncoderGraphManager) -> dict[int, int]:
+    """Item count -> sequence slots of each local FULL graph (one budget)."""
+    return {
+        key[3].num_items: graph.spec.max_frames
+        for key, graph in manager._graphs.items()
+        if key[1] == "local"
+    }
+
+
+def test_graphs_per_item_count_do_not_follow_the_users_uniform_counts():
+    tower = ToyTower().eval()
+    manager = manager_for(
+        tower,
+        per_item_metadata=True,
+        budgets=BudgetConfig(budgets=[32]),
+        max_items=8,
+        uniform_item_counts=[3],
+    )
+    tokens, lengths = make_batch(random.Random(8), [2, 3, 4, 5, 6])
+    with torch.no_grad():
+        assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    assert local_slots(manager) == {1: 1, 2: 2, 4: 4, 8: 8}
+    assert (manager.stats.hits, manager.stats.misses) == (1, 0)
+
+
+def test_graphs_per_item_count_stop_where_max_frames_does():
+    tower = ToyTower().eval()
+    manager = manager_for(
+        tower,
+        per_item_metadata=True,
+        budgets=BudgetConfig(budgets=[32]),
+        max_items=8,
+        max_frames_per_batch=3,
+    )
+    rng = random.Random(9)
+    with torch.no_grad():
+        for lengths in ([4, 5, 6], [1, 2, 3, 4]):
+            tokens, lengths = make_batch(rng, lengths)
+            assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    # No two graphs of the same slots: the 8-item graph holds the 3 frames allowed.
+    assert local_slots(manager) == {1: 1, 2: 2, 8: 3}
+    assert (manager.stats.hits, manager.stats.misses) == (1, 1)  # 4 frames do not fit
+
+
+@pytest.mark.parametrize(
+    ("max_items", "max_frames_per_batch", "frames", "slots"),
+    [
+        (4, None, 2, 2),  # the two-slot graph
+        (2, 4, 3, 4),  # more slots than items: the most items' graph holds every frame
+    ],
+)
+def test_an_item_of_several_frames_takes_a_graph_with_enough_slots(
+    monkeypatch, max_items, max_frames_per_batch, frames, slots
+):
     config = PackedViTConfig(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
     tower = PackedViT(config).eval()
-    # One frame per item by default: a two-frame video needs the two-slot graph.
+    # One frame per item by default: a video needs more slots than its item count.
     adapter = PackedEncoderAdapter(tower, min_token_budget=4)
-    manager = EncoderGraphManager(adapter, budgets=BudgetConfig(budgets=[32]), max_items=4)
-    slots = []
+    manager = EncoderGraphManager(
+        adapter,
+        budgets=BudgetConfig(budgets=[32]),
+        max_items=max_items,
+        max_frames_per_batch=max_frames_per_batch,
+    )
+    replayed = []
     replay = manager._replay
 
     def spy(graph, path, inputs, total):
-        slots.append(graph.spec.max_frames)
+        replayed.append(graph.spec.max_frames)
         return replay(graph, path, inputs, total)
 
     monkeypatch.setattr(manager, "_replay", spy)
-    patches, grid_thw = patchify([torch.randn(2, 3, 16, 16)], config.patch_size)
+    patches, grid_thw = patchify([torch.randn(frames, 3, 16, 16)], config.patch_size)
     with torch.no_grad():
         actual = manager.execute(adapter.inputs_from_call((patches, grid_thw), {}))
         expected = tower(patches, grid_thw)
-    assert slots == [2] and manager.stats.hits == 1
+    assert replayed == [slots] and manager.stats.hits == 1
     assert relative_error(actual, expected) < 1e-5
 
 
