@@ -123,19 +123,25 @@ def test_per_item_metadata_captures_a_graph_per_item_count_sharing_input_buffers
     assert len({graph.buffers["tokens"].data_ptr() for graph in local.values()}) == 2
 
 
+def record_replayed_slots(manager: EncoderGraphManager, monkeypatch) -> list[int]:
+    """The sequence slots of every graph ``manager`` replays from now on, in order."""
+    replayed = []
+    replay = manager._replay
+
+    def spy(graph, path, inputs, total):
+        replayed.append(graph.spec.max_frames)
+        return replay(graph, path, inputs, total)
+
+    monkeypatch.setattr(manager, "_replay", spy)
+    return replayed
+
+
 def test_a_sub_batch_replays_the_graph_with_the_fewest_slots_that_hold_it(monkeypatch):
     tower = ToyTower().eval()
     manager = manager_for(
         tower, per_item_metadata=True, budgets=BudgetConfig(budgets=[32]), max_items=8
     )
-    slots = []
-    replay = manager._replay
-
-    def spy(graph, path, inputs, total):
-        slots.append(graph.spec.max_frames)
-        return replay(graph, path, inputs, total)
-
-    monkeypatch.setattr(manager, "_replay", spy)
+    slots = record_replayed_slots(manager, monkeypatch)
     rng = random.Random(7)
     with torch.no_grad():
         for lengths in ([5], [5, 6], [2, 3, 4], [1, 2, 3, 4, 5], [1] * 8):
@@ -208,14 +214,7 @@ def test_an_item_of_several_frames_takes_a_graph_with_enough_slots(
         max_items=max_items,
         max_frames_per_batch=max_frames_per_batch,
     )
-    replayed = []
-    replay = manager._replay
-
-    def spy(graph, path, inputs, total):
-        replayed.append(graph.spec.max_frames)
-        return replay(graph, path, inputs, total)
-
-    monkeypatch.setattr(manager, "_replay", spy)
+    replayed = record_replayed_slots(manager, monkeypatch)
     patches, grid_thw = patchify([torch.randn(frames, 3, 16, 16)], config.patch_size)
     with torch.no_grad():
         actual = manager.execute(adapter.inputs_from_call((patches, grid_thw), {}))
