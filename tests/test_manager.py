@@ -123,6 +123,13 @@ def test_per_item_metadata_captures_a_graph_per_item_count_sharing_input_buffers
     assert len({graph.buffers["tokens"].data_ptr() for graph in local.values()}) == 2
 
 
+def per_item_count_manager(tower: ToyTower, **kwargs) -> EncoderGraphManager:
+    """Graphs per item count (1, 2, 4, 8) at one budget of 32 tokens."""
+    return manager_for(
+        tower, per_item_metadata=True, budgets=BudgetConfig(budgets=[32]), max_items=8, **kwargs
+    )
+
+
 def record_replayed_slots(manager: EncoderGraphManager, monkeypatch) -> list[int]:
     """The sequence slots of every graph ``manager`` replays from now on, in order."""
     replayed = []
@@ -138,9 +145,7 @@ def record_replayed_slots(manager: EncoderGraphManager, monkeypatch) -> list[int
 
 def test_a_sub_batch_replays_the_graph_with_the_fewest_slots_that_hold_it(monkeypatch):
     tower = ToyTower().eval()
-    manager = manager_for(
-        tower, per_item_metadata=True, budgets=BudgetConfig(budgets=[32]), max_items=8
-    )
+    manager = per_item_count_manager(tower)
     slots = record_replayed_slots(manager, monkeypatch)
     rng = random.Random(7)
     with torch.no_grad():
@@ -161,13 +166,7 @@ def local_slots(manager: EncoderGraphManager) -> dict[int, int]:
 
 def test_graphs_per_item_count_do_not_follow_the_users_uniform_counts():
     tower = ToyTower().eval()
-    manager = manager_for(
-        tower,
-        per_item_metadata=True,
-        budgets=BudgetConfig(budgets=[32]),
-        max_items=8,
-        uniform_item_counts=[3],
-    )
+    manager = per_item_count_manager(tower, uniform_item_counts=[3])
     tokens, lengths = make_batch(random.Random(8), [2, 3, 4, 5, 6])
     with torch.no_grad():
         assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
@@ -177,13 +176,7 @@ def test_graphs_per_item_count_do_not_follow_the_users_uniform_counts():
 
 def test_graphs_per_item_count_stop_where_max_frames_does():
     tower = ToyTower().eval()
-    manager = manager_for(
-        tower,
-        per_item_metadata=True,
-        budgets=BudgetConfig(budgets=[32]),
-        max_items=8,
-        max_frames_per_batch=3,
-    )
+    manager = per_item_count_manager(tower, max_frames_per_batch=3)
     rng = random.Random(9)
     with torch.no_grad():
         for lengths in ([4, 5, 6], [1, 2, 3, 4]):
