@@ -3,6 +3,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+#: A quick profile of tiny towers on the CPU.
+TINY_ON_CPU = ("quick=true", "tiny=true", "device=cpu", "dtype=float32", "warmup=1")
 
 
 def profile_host(*overrides: str) -> subprocess.CompletedProcess:
@@ -17,13 +19,9 @@ def profile_host(*overrides: str) -> subprocess.CompletedProcess:
 
 def test_profiles_one_pass_of_a_tiny_workload_on_cpu(tmp_path):
     result = profile_host(
-        "quick=true",
-        "tiny=true",
-        "device=cpu",
-        "dtype=float32",
+        *TINY_ON_CPU,
         "workloads=[packed_vit_small]",
         "scenarios=[mixed_4]",
-        "warmup=1",
         f"hydra.run.dir={tmp_path}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -39,14 +37,7 @@ def test_kernels_need_cuda(tmp_path):
 
 def test_profiles_the_stream_workload_on_cpu(tmp_path):
     result = profile_host(
-        "quick=true",
-        "tiny=true",
-        "device=cpu",
-        "dtype=float32",
-        "workloads=[stream]",
-        "stream.shapes=5",
-        "warmup=1",
-        f"hydra.run.dir={tmp_path}",
+        *TINY_ON_CPU, "workloads=[stream]", "stream.shapes=5", f"hydra.run.dir={tmp_path}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stream/packed_vit_small: 5 batches" in result.stdout
