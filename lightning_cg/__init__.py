@@ -13,7 +13,7 @@ __all__ = ["CUDAGraphCallback", "EncoderGraphManager", "BudgetConfig", "GraphMod
 _LAZY = {
     "CUDAGraphCallback": "lightning_cg.callback",
     "EncoderGraphManager": "lightning_cg.manager",
-    "BudgetConfig": "lightning_cg.manager",
+    "BudgetConfig": "lightning_cg.config",
     "GraphMode": "lightning_cg.dispatcher",
 }
 

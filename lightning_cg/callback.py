@@ -8,6 +8,7 @@ validation and prediction, and puts the original back for training.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,29 +21,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_cg.adapters import adapter_for
-from lightning_cg.compiled import check_compile
+from lightning_cg.adapters import ADAPTERS, adapter_for
+from lightning_cg.binding import CHANGED, REBOUND, TensorBinding
+from lightning_cg.config import GraphConfig
 from lightning_cg.dispatcher import GraphMode
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, GraphStats, module_fingerprint
-from lightning_cg.measured import check_dispatch
+from lightning_cg.manager import EncoderGraphManager
 from lightning_cg.parallel import execute_data_parallel
-from lightning_cg.piecewise import (
-    check_piecewise_fallback,
-    check_splitting_ops,
-)
 from lightning_cg.progress import CaptureProgress
+from lightning_cg.stats import GraphStats
 
 STAGES = ("validate", "predict")
-BUDGET_FIELDS = (
-    "min_budget",
-    "max_budget",
-    "budgets",
-    "ladder",
-    "ratio",
-    "align",
-    "k",
-    "auto_sample_batches",
-)
 #: Strategies that shard parameters: a graph would capture one shard's addresses.
 REFUSED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
@@ -55,9 +43,13 @@ class CUDAGraphCallback(Callback):
     items of every call into sub-batches, replays the graph of the smallest
     fitting budget and falls back to eager where none fits. On ``*_end``,
     ``teardown`` and exceptions the original forward comes back, so training
-    never runs through a graph. Graphs are kept across validation epochs while the
-    tower's parameters keep their storage, dtype and device (optimizers update in
-    place), and recaptured when any of these change.
+    never runs through a graph. Graphs outlive the run: when the tower comes back
+    with parameters of the same shapes, dtypes and device in new storage (a
+    Trainer's teardown moves it to the CPU and back), the values are copied into
+    the storage the graphs read (:mod:`lightning_cg.binding`); only a change of
+    shape, dtype or device recaptures. A key is captured on demand, once its
+    replays are expected to repay the capture within the run
+    (:mod:`lightning_cg.capture_policy`); until then it runs eagerly.
 
     A capture that runs out of memory keeps the budgets that fit, and a path
     whose tower a graph cannot hold (a host sync such as ``.item()``) runs
@@ -101,6 +93,11 @@ class CUDAGraphCallback(Callback):
             (graphs timed against eager on the first real items; a sub-batch
             runs where it is faster). Measuring needs CUDA.
         compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
+        capture: ``paid_back`` (a key is captured once its expected replays in the
+            run repay the capture) or ``first_use`` (at the first batch that needs it).
+        min_sightings: sightings of a key before ``paid_back`` may capture it.
+        drop_slower_graphs: send a key back to eager when its graph is measured
+            slower than its eager runs.
 
     Example::
 
@@ -127,45 +124,59 @@ class CUDAGraphCallback(Callback):
         encoder_data_parallel: bool = False,
         dispatch: str = "budget",
         compile: bool = False,
+        capture: str = "paid_back",
+        min_sightings: int = 2,
+        drop_slower_graphs: bool = True,
     ) -> None:
-        if not module or not all(part.isidentifier() for part in module.split(".")):
+        if not isinstance(module, str) or not all(
+            part.isidentifier() for part in module.split(".")
+        ):
             raise ValueError(
                 f"module must be a dotted attribute path like 'model.visual'; got {module!r}"
             )
-        unknown_stages = sorted(set(stages) - set(STAGES))
-        if unknown_stages:
-            raise ValueError(f"stages has {unknown_stages}; allowed: {', '.join(STAGES)}")
+        _check_stages(stages)
         for name, value in (
-            ("max_items_per_batch", max_items_per_batch),
-            ("max_frames_per_batch", max_frames_per_batch),
+            ("capture_during_sanity_check", capture_during_sanity_check),
+            ("keep_graphs", keep_graphs),
+            ("encoder_data_parallel", encoder_data_parallel),
         ):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false; got {name}={value!r}")
+        if adapter is not None and adapter not in ADAPTERS:
+            raise ValueError(
+                f"adapter must be one of {', '.join(ADAPTERS)} or None; got adapter={adapter!r}"
+            )
         self.module = module
-        self.mode = GraphMode.parse(mode)
-        self.budgets = _budget_config("budgets", budgets)
-        self.path_budgets = {
-            path: _budget_config(f"paths.{path}", {**(budgets or {}), **dict(choice)})
-            for path, choice in (paths or {}).items()
-        }
-        self.max_items_per_batch = max_items_per_batch
-        self.max_frames_per_batch = max_frames_per_batch
+        #: The graph options, checked once, shared with the manager.
+        self.config = GraphConfig.from_options(
+            mode=mode,
+            budgets=budgets,
+            paths=paths,
+            max_items_per_batch=max_items_per_batch,
+            max_frames_per_batch=max_frames_per_batch,
+            verify=verify,
+            packing=packing,
+            splitting_ops=splitting_ops,
+            piecewise_fallback=piecewise_fallback,
+            dispatch=dispatch,
+            compile=compile,
+            # A capture that fails mid-run turns this rank eager, not the run into an error.
+            capture_errors="eager",
+            capture=capture,
+            min_sightings=min_sightings,
+            drop_slower_graphs=drop_slower_graphs,
+        )
+        self.mode = self.config.mode
         self.stages = tuple(stages)
         self.capture_during_sanity_check = capture_during_sanity_check
         self.keep_graphs = keep_graphs
-        self.verify = verify
         self.adapter = adapter
-        self.packing = packing
-        self.splitting_ops = None if splitting_ops is None else check_splitting_ops(splitting_ops)
-        self.piecewise_fallback = check_piecewise_fallback(piecewise_fallback)
         self.encoder_data_parallel = encoder_data_parallel
-        self.dispatch = check_dispatch(dispatch)
-        self.compile = check_compile(compile, self.mode)
         self.manager: EncoderGraphManager | None = None
         #: Stats of the last validation or predict run, summed over ranks.
         self.last_stats: dict[str, float] = {}
         self._tower: nn.Module | None = None
-        self._fingerprint: tuple | None = None
+        self._binding: TensorBinding | None = None
         self._swapped: dict | None = None
         self._told_cpu = False
         #: The manager serving the current run: ``manager``, or the eager one.
@@ -194,28 +205,14 @@ class CUDAGraphCallback(Callback):
             return
         if self.manager is None or tower is not self._tower:
             self._tower = tower
+            self._binding = None
             self.manager = self._build_manager(tower)
 
     def _build_manager(
         self, tower: nn.Module, mode: GraphMode | None = None
     ) -> EncoderGraphManager:
-        return EncoderGraphManager(
-            adapter_for(tower, self.adapter),
-            mode=self.mode if mode is None else mode,
-            budgets=self.budgets,
-            path_budgets=self.path_budgets,
-            max_items=self.max_items_per_batch,
-            max_frames_per_batch=self.max_frames_per_batch,
-            packing=self.packing,
-            verify=self.verify,
-            progress=CaptureProgress(),
-            splitting_ops=self.splitting_ops,
-            piecewise_fallback=self.piecewise_fallback,
-            dispatch=self.dispatch,
-            compile=self.compile,
-            # A capture that fails mid-run turns this rank eager, not the run into an error.
-            capture_errors="eager",
-        )
+        config = self.config if mode is None else dataclasses.replace(self.config, mode=mode)
+        return EncoderGraphManager(adapter_for(tower, self.adapter), config, CaptureProgress())
 
     # -------------------------------------------------------- stage hooks
 
@@ -224,7 +221,8 @@ class CUDAGraphCallback(Callback):
         if trainer.sanity_checking and not self.capture_during_sanity_check:
             return
         if "validate" in self.stages:
-            self._swap_in(trainer)
+            batches = trainer.num_sanity_val_batches if trainer.sanity_checking else None
+            self._swap_in(trainer, _total_batches(batches or trainer.num_val_batches))
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -233,7 +231,7 @@ class CUDAGraphCallback(Callback):
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "predict" in self.stages:
-            self._swap_in(trainer)
+            self._swap_in(trainer, _total_batches(trainer.num_predict_batches))
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -251,15 +249,15 @@ class CUDAGraphCallback(Callback):
 
     # ------------------------------------------------------------ swapping
 
-    def _swap_in(self, trainer: pl.Trainer) -> None:
+    def _swap_in(self, trainer: pl.Trainer, expected_calls: int | None) -> None:
         # A collective: every rank takes part before any of them may return.
         graphs_usable = self._agree_graphs_usable(trainer)
         if self.manager is None or self._tower is None or self._swapped is not None:
             return
-        self._recapture_if_changed()
+        self._bind_tensors()
         self._tell_once_without_cuda()
         self._run_manager = self.manager if graphs_usable else self._eager_manager()
-        self._run_manager.reset_stats()
+        self._run_manager.begin_run(expected_calls)
         tower, manager = self._tower, self._run_manager
         execute = self._executor(trainer)
 
@@ -311,12 +309,24 @@ class CUDAGraphCallback(Callback):
             del self._tower.forward
         self._swapped = None
 
-    def _recapture_if_changed(self) -> None:
-        fingerprint = module_fingerprint(self._tower)
-        if self._fingerprint is not None and fingerprint != self._fingerprint:
-            rank_zero_info("CUDAGraphCallback: tower parameters moved; recapturing graphs.")
+    def _bind_tensors(self) -> None:
+        """Keep the graphs reading the tower's current values (see :mod:`lightning_cg.binding`)."""
+        if self._binding is None:
+            self._binding = TensorBinding(self._tower)
+            return
+        outcome = self._binding.rebind(self._tower)
+        if outcome == REBOUND:
+            rank_zero_info(
+                "CUDAGraphCallback: tower tensors came back in new storage; "
+                "copied their values into the captured storage, graphs kept."
+            )
+        elif outcome == CHANGED:
+            rank_zero_info(
+                "CUDAGraphCallback: a tower parameter or buffer changed shape, dtype or "
+                "device; its graphs are captured again."
+            )
             self.manager.clear()
-        self._fingerprint = fingerprint
+            self._binding = TensorBinding(self._tower)
 
     def _tell_once_without_cuda(self) -> None:
         if self._told_cpu or next(self._tower.parameters(), torch.empty(0)).is_cuda:
@@ -343,11 +353,12 @@ class CUDAGraphCallback(Callback):
             f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
             f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
             f"padding waste {stats['padding_waste']:.1%}, "
-            f"{stats['graphs']:.0f} graphs captured in {stats['capture_seconds']:.2f} s"
+            f"{stats['graphs_captured']:.0f} graphs captured in "
+            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)"
         )
         if not self.keep_graphs:
             self.manager.clear()
-            self._fingerprint = None
+            self._binding = None
 
 
 def resolve_module(pl_module: nn.Module, path: str) -> nn.Module:
@@ -377,16 +388,24 @@ def reduce_stats(trainer: pl.Trainer, stats: Mapping[str, float]) -> dict[str, f
     return {**summed, **GraphStats(**summed).rates()}
 
 
-def _budget_config(field: str, choice: Mapping[str, Any] | None) -> BudgetConfig:
-    choice = dict(choice or {})
-    unknown = sorted(set(choice) - set(BUDGET_FIELDS))
-    if unknown:
+def _check_stages(stages: Any) -> None:
+    if isinstance(stages, str) or not isinstance(stages, Sequence):
         raise ValueError(
-            f"{field} has unknown key(s) {unknown}; allowed: {', '.join(BUDGET_FIELDS)}"
+            f"stages must be a list of stage names from {', '.join(STAGES)}; got stages={stages!r}"
         )
-    if choice.get("budgets") is not None:
-        choice["budgets"] = [int(budget) for budget in choice["budgets"]]
-    return BudgetConfig(**choice)
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ValueError(f"stages has {unknown}; allowed: {', '.join(STAGES)}")
+
+
+def _total_batches(batches: Any) -> int | None:
+    """The batches a run will see (Lightning gives one count per dataloader); None if unknown."""
+    counts = batches if isinstance(batches, list | tuple) else [batches]
+    if not counts or any(
+        not isinstance(count, int | float) or count == float("inf") for count in counts
+    ):
+        return None
+    return int(sum(counts))
 
 
 def _is_compiled(module: nn.Module) -> bool:

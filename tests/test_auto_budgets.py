@@ -7,7 +7,8 @@ import torch
 from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.budgets import choose_budgets, expected_padding
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
+from lightning_cg.replay import relative_error
 
 
 def make_batch(rng: random.Random, lengths: list[int]):
@@ -21,11 +22,13 @@ def run(manager: EncoderGraphManager, tokens: torch.Tensor, lengths: torch.Tenso
 
 def auto_manager(tower: ToyTower, **budget_fields) -> EncoderGraphManager:
     budgets = BudgetConfig(ladder="auto", **budget_fields)
-    return EncoderGraphManager(ToyEncoder(tower, max_budget=256), budgets=budgets)
+    return EncoderGraphManager(
+        ToyEncoder(tower, max_budget=256), budgets=budgets, capture="first_use"
+    )
 
 
 def captured_budgets(manager: EncoderGraphManager, path: str = "local") -> set[int]:
-    return {key.num_tokens for (_, graph_path, _, key) in manager._graphs if graph_path == path}
+    return {key.descriptor.num_tokens for key in manager.cache.keys() if key.path == path}
 
 
 def test_auto_ladder_is_learned_from_the_first_batch_before_capture():
@@ -38,7 +41,7 @@ def test_auto_ladder_is_learned_from_the_first_batch_before_capture():
     sums = [177]  # 7 + 30 + 40 + 100, one sub-batch
     expected = choose_budgets(sums, 3, 8, 256, align=8)
     assert manager.paths["local"].budgets == expected == [8, 184, 256]
-    assert captured_budgets(manager) == set(expected)
+    assert captured_budgets(manager) == {184}  # only the key the batch needed
     learned = manager.learned_budgets["local"]
     assert learned["expected_padding"] == expected_padding(sums, expected)
     assert learned["sampled_sub_batches"] == 1
@@ -54,7 +57,7 @@ def test_auto_ladder_samples_several_batches_eagerly_first():
             tokens, lengths = make_batch(rng, lengths)
             assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
             learning = manager.learned_budgets == {}
-            assert (not manager._graphs) == learning
+            assert (not manager.is_captured()) == learning
     assert manager.paths["local"].budgets == choose_budgets([20, 90, 33], 4, 8, 256, align=16)
     assert manager.stats.hits == 1 and manager.stats.misses == 0
 
@@ -67,7 +70,7 @@ def test_explicit_sample_skips_learning_at_run_time():
     with torch.no_grad():
         run(manager, *make_batch(random.Random(2), [3]))
     assert manager.paths["local"].budgets == [112, 256]  # not relearned from [3]
-    assert captured_budgets(manager) == {112, 256}
+    assert captured_budgets(manager) == {112}
 
 
 def test_learning_again_drops_the_graphs_of_the_old_ladder():
@@ -75,11 +78,11 @@ def test_learning_again_drops_the_graphs_of_the_old_ladder():
     manager = auto_manager(ToyTower().eval(), k=2)
     with torch.no_grad():
         run(manager, *make_batch(random.Random(3), [100]))
-        assert captured_budgets(manager) == {104, 256}
+        assert captured_budgets(manager) == {104}
         manager.learn_budgets([[{"local": 20}]])
-        assert not manager._graphs
+        assert not manager.is_captured()
         run(manager, *make_batch(random.Random(4), [20]))
-    assert captured_budgets(manager) == {24, 256}
+    assert captured_budgets(manager) == {24}
 
 
 def test_only_auto_paths_are_learned():
@@ -87,14 +90,17 @@ def test_only_auto_paths_are_learned():
     manager = EncoderGraphManager(
         ToyEncoder(tower, max_budget=256),
         budgets=BudgetConfig(ladder="auto", k=2),
-        path_budgets={"global": BudgetConfig(budgets=[4, 8, 16])},
+        paths={"global": BudgetConfig(budgets=[4, 8, 16])},
+        capture="first_use",
     )
     assert manager.learn_budgets([[{"local": 100, "global": 4}]]) == {"local": [104, 256]}
     assert manager.paths["global"].budgets == [4, 8, 16]
 
 
 def test_without_auto_learning_does_nothing():
-    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval(), max_budget=256))
+    manager = EncoderGraphManager(
+        ToyEncoder(ToyTower().eval(), max_budget=256), capture="first_use"
+    )
     assert manager.learn_budgets([[{"local": 100}]]) == {}
     assert manager.paths["local"].budgets == [8, 16, 32, 64, 128, 256]
 
@@ -120,7 +126,8 @@ def test_predict_app_learns_the_ladder_through_the_callback():
 
     from lightning_cg.app import run as run_app
 
-    overrides = ["cudagraph/budgets=auto", "cudagraph.budgets.k=4", "compare_eager=true"]
+    overrides = ["cudagraph/budgets=auto", "cudagraph.budgets.k=4", "cudagraph.capture=first_use"]
+    overrides.append("compare_eager=true")
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("predict", TINY_TOWER + SMALL_DATA + ["trainer=cpu", *overrides])
     report = run_app(cfg, "predict")
@@ -137,7 +144,7 @@ def test_auto_ladder_caps_items_per_sub_batch_at_what_the_sample_needs():
     with torch.no_grad():
         run(manager, *make_batch(rng, [5, 9, 12]))  # the sample: 3 items in one sub-batch
         assert manager.max_items == 4 == manager.learned_budgets["local"]["max_items"]
-        assert {graph.spec.max_frames for graph in manager._graphs.values()} == {4}
+        assert {graph.spec.max_frames for graph in manager.cache.graphs()} == {4}
         # A larger batch than the sample packs into more sub-batches, not eager.
         tokens, lengths = make_batch(rng, [3] * 6)
         assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
@@ -148,7 +155,8 @@ def test_auto_ladder_keeps_the_users_item_cap():
     manager = EncoderGraphManager(
         ToyEncoder(ToyTower().eval(), max_budget=256),
         budgets=BudgetConfig(ladder="auto", k=3),
-        max_items=8,
+        max_items_per_batch=8,
+        capture="first_use",
     )
     with torch.no_grad():
         run(manager, *make_batch(random.Random(8), [5, 9, 12]))

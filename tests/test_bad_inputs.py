@@ -16,19 +16,22 @@ from toy_encoder import ToyEncoder, ToyTower
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.callback import CUDAGraphCallback
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT
+from lightning_cg.replay import relative_error
 
 
 def packed_manager(device: str = "cpu") -> tuple[PackedViT, EncoderGraphManager]:
     tower = packed_tower(global_view=True, device=device)
     adapter = PackedEncoderAdapter(tower, min_token_budget=4, max_token_budget=64)
-    return tower, EncoderGraphManager(adapter, mode="full")
+    return tower, EncoderGraphManager(adapter, mode="full", capture="first_use")
 
 
 def vit_manager(device: str = "cpu") -> tuple[torch.nn.Module, EncoderGraphManager]:
     tower = tiny_vit(device)
-    return tower, EncoderGraphManager(BatchedEncoderAdapter(tower, max_batch_size=8), mode="full")
+    return tower, EncoderGraphManager(
+        BatchedEncoderAdapter(tower, max_batch_size=8), mode="full", capture="first_use"
+    )
 
 
 def execute(manager: EncoderGraphManager, *call) -> torch.Tensor:
@@ -37,7 +40,7 @@ def execute(manager: EncoderGraphManager, *call) -> torch.Tensor:
 
 
 def graph_dtypes(manager: EncoderGraphManager, buffer: str) -> set[torch.dtype]:
-    return {graph.buffers[buffer].dtype for graph in manager._graphs.values()}
+    return {graph.buffers[buffer].dtype for graph in manager.cache.graphs()}
 
 
 # ------------------------------------------------------------------- dtype
@@ -54,7 +57,7 @@ def test_a_float64_batch_after_float32_graphs_gets_graphs_of_its_own():
         assert actual.dtype == expected.dtype
         assert relative_error(actual, expected) < 1e-5
     assert graph_dtypes(manager, "pixel_patches") == {torch.float32, torch.float64}
-    assert len({key[0] for key in manager._graphs}) == 2  # two graph sets
+    assert len({key.graph_set for key in manager.cache.keys()}) == 2  # two graph sets
     assert manager.stats.hits == 6 and manager.stats.misses == 0
 
 
@@ -62,13 +65,13 @@ def test_a_float64_batch_to_a_float32_batch_first_tower_fails_as_it_does_eagerly
     tower, manager = vit_manager()
     x = torch.randn(3, 3, 32, 32)
     assert relative_error(execute(manager, x), tower(x)) < 1e-5
-    float32_graphs = dict(manager._graphs)
+    float32_graphs = dict(manager.cache.items())
     with torch.no_grad(), pytest.raises(RuntimeError) as eager:
         tower(x.double())
     with pytest.raises(type(eager.value), match="type"):
         execute(manager, x.double())
     # The float32 graphs are untouched and still serve float32 batches.
-    assert all(manager._graphs[key] is graph for key, graph in float32_graphs.items())
+    assert all(manager.cache.get(key) is graph for key, graph in float32_graphs.items())
     assert relative_error(execute(manager, x), tower(x)) < 1e-5
     assert (manager.stats.hits, manager.stats.misses) == (2, 0)  # the failed replay is none
 
@@ -86,7 +89,7 @@ class DtypeBlindEncoder(ToyEncoder):
 
 
 def test_a_dtype_the_graphs_were_not_captured_for_is_never_cast_silently():
-    manager = EncoderGraphManager(DtypeBlindEncoder(ToyTower().eval()))
+    manager = EncoderGraphManager(DtypeBlindEncoder(ToyTower().eval()), capture="first_use")
     lengths = torch.tensor([5, 7])
     execute(manager, torch.randn(12, 8), lengths)
     with pytest.raises(RuntimeError, match="graph signature should have separated them"):
@@ -113,7 +116,7 @@ def test_cuda_a_cpu_batch_to_a_cuda_packed_tower_is_refused():
     actual = execute(manager, patches.cuda(), grid_thw)
     with torch.no_grad():
         assert relative_error(actual, tower(patches.cuda(), grid_thw)) < 1e-5
-    assert manager.stats.hits > 0 and all(g.cuda_graph for g in manager._graphs.values())
+    assert manager.stats.hits > 0 and all(g.cuda_graph for g in manager.cache.graphs())
 
 
 @pytest.mark.cuda
@@ -125,11 +128,11 @@ def test_cuda_a_cpu_batch_to_a_cuda_batch_first_tower_fails_as_it_does_eagerly(m
         tower(x)
     with pytest.raises(type(eager.value)):
         execute(manager, x)
-    assert not any(graph.cuda_graph for graph in manager._graphs.values())
+    assert not any(graph.cuda_graph for graph in manager.cache.graphs())
     with torch.no_grad():
         assert relative_error(execute(manager, x.cuda()), tower(x.cuda())) < 1e-5
     assert manager.stats.hits == 1
-    assert sum(graph.cuda_graph is not None for graph in manager._graphs.values()) > 0
+    assert sum(graph.cuda_graph is not None for graph in manager.cache.graphs()) > 0
 
 
 # ------------------------------------------------------------ non-contiguous
@@ -148,7 +151,9 @@ def non_contiguous(shape: tuple[int, ...], layout: str, dtype=torch.float32) -> 
 @pytest.mark.parametrize("layout", ["transposed", "strided"])
 def test_a_non_contiguous_toy_batch_replays_as_eager(layout):
     tower = ToyTower(global_tokens=4).eval()
-    manager = EncoderGraphManager(ToyEncoder(tower), budgets=BudgetConfig(budgets=[16, 64]))
+    manager = EncoderGraphManager(
+        ToyEncoder(tower), budgets=BudgetConfig(budgets=[16, 64]), capture="first_use"
+    )
     lengths = torch.tensor([5, 7, 3])
     tokens = non_contiguous((15, 8), layout)
     with torch.no_grad():
@@ -189,7 +194,7 @@ def test_a_grid_thw_that_disagrees_with_the_patches_is_refused(wrong):
     grid_thw = grid_thw[:-1] if wrong == "item_dropped" else grid_thw * torch.tensor([1, 2, 1])
     with pytest.raises(ValueError, match="grid_thw disagrees with pixel_patches"):
         execute(manager, patches, grid_thw)
-    assert manager.stats.items == 0 and not manager._graphs
+    assert manager.stats.items == 0 and not manager.is_captured()
 
 
 def test_the_callback_passes_a_grid_thw_error_through_and_restores_the_forward():
@@ -200,5 +205,5 @@ def test_the_callback_passes_a_grid_thw_error_through_and_restores_the_forward()
     torch.manual_seed(0)
     net = WrongGrid()
     with pytest.raises(ValueError, match="grid_thw disagrees with pixel_patches"):
-        trainer(CUDAGraphCallback(budgets=BUDGETS)).predict(net, datamodule())
+        trainer(CUDAGraphCallback(budgets=BUDGETS, capture="first_use")).predict(net, datamodule())
     assert "forward" not in net.vision_tower.__dict__

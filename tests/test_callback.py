@@ -54,7 +54,7 @@ def predictions(callback=None, **trainer_kwargs) -> torch.Tensor:
 
 
 def test_predict_equals_eager_and_restores_forward():
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     graphed = predictions(callback)
     eager = predictions()
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
@@ -64,7 +64,7 @@ def test_predict_equals_eager_and_restores_forward():
 
 @pytest.mark.parametrize("inference_mode", [True, False])
 def test_validate_swaps_in_and_out(inference_mode):
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     net = model()
     results = trainer(callback, inference_mode=inference_mode).validate(
         net, datamodule(), verbose=False
@@ -77,7 +77,7 @@ def test_validate_swaps_in_and_out(inference_mode):
 
 def test_fit_trains_eagerly_and_matches_a_fit_without_the_callback():
     nets = []
-    for callbacks in ([CUDAGraphCallback(budgets=BUDGETS)], []):
+    for callbacks in ([CUDAGraphCallback(budgets=BUDGETS, capture="first_use")], []):
         net = model()
         trainer(*callbacks, max_epochs=2, deterministic=True).fit(net, datamodule())
         nets.append(net)
@@ -89,21 +89,47 @@ def test_fit_trains_eagerly_and_matches_a_fit_without_the_callback():
         assert torch.equal(a, b), name
 
 
-def test_graphs_are_kept_across_validation_epochs_and_recaptured_on_new_storage():
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+def captured(callback: CUDAGraphCallback) -> dict:
+    return dict(callback.manager.cache.items())
+
+
+def eager_predictions(net: RecordingModel) -> torch.Tensor:
+    return torch.cat(trainer().predict(net, datamodule()))
+
+
+def test_graphs_outlive_runs_and_new_weights_are_served_without_recapture():
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     net = model()
-    fit_trainer = trainer(callback, max_epochs=2)
-    fit_trainer.fit(net, datamodule())
-    graphs = dict(callback.manager._graphs)
+    run = trainer(callback, max_epochs=2)
+    run.fit(net, datamodule())
+    graphs = captured(callback)
     assert graphs
-    fit_trainer.validate(net, datamodule(), verbose=False)
-    assert callback.manager._graphs == graphs  # same objects: nothing recaptured
-    # New parameter tensors (not in-place) invalidate every captured address.
-    net.vision_tower.load_state_dict(
-        {k: v.clone() for k, v in net.vision_tower.state_dict().items()}, assign=True
+    eager_val = trainer().validate(net, datamodule(), verbose=False)[0]["val_loss"]
+    assert run.validate(net, datamodule(), verbose=False)[0]["val_loss"] == pytest.approx(
+        eager_val, rel=1e-5
     )
-    fit_trainer.validate(net, datamodule(), verbose=False)
-    assert all(graph is not graphs.get(key) for key, graph in callback.manager._graphs.items())
+    torch.testing.assert_close(torch.cat(run.predict(net, datamodule())), eager_predictions(net))
+    # Other weights in new storage (not in place), as a checkpoint load with assign=True.
+    other = model()
+    with torch.no_grad():
+        for parameter in other.vision_tower.parameters():
+            parameter.mul_(1.5)
+    net.vision_tower.load_state_dict(other.vision_tower.state_dict(), assign=True)
+    expected = eager_predictions(other)
+    torch.testing.assert_close(torch.cat(run.predict(net, datamodule())), expected)
+    assert captured(callback) == graphs  # the same graph objects: nothing recaptured
+    assert callback.last_stats["graphs_captured"] == 0 and callback.last_stats["hits"] > 0
+
+
+def test_a_dtype_change_recaptures():
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
+    net = model()
+    trainer(callback).predict(net, datamodule())
+    graphs = captured(callback)
+    doubled = torch.cat(trainer(callback, precision="64-true").predict(net, datamodule()))
+    assert doubled.dtype == torch.float64
+    old = {id(graph) for graph in graphs.values()}
+    assert captured(callback) and not old & {id(graph) for graph in captured(callback).values()}
 
 
 def test_exception_in_predict_restores_forward():
@@ -113,26 +139,28 @@ def test_exception_in_predict_restores_forward():
             raise RuntimeError("boom")
 
     net = Exploding()
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     with pytest.raises(RuntimeError, match="boom"):
         trainer(callback).predict(net, datamodule())
     assert "forward" not in net.vision_tower.__dict__
 
 
 def test_keep_graphs_false_frees_graphs_after_each_run():
-    callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=False)
+    callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=False, capture="first_use")
     trainer(callback).predict(model(), datamodule())
-    assert not callback.manager._graphs and not callback.manager.is_captured()
+    assert not callback.manager.is_captured()
 
 
 def test_stages_limit_where_graphs_run():
-    callback = CUDAGraphCallback(budgets=BUDGETS, stages=["validate"])
+    callback = CUDAGraphCallback(budgets=BUDGETS, stages=["validate"], capture="first_use")
     trainer(callback).predict(model(), datamodule())
     assert callback.manager.stats.items == 0 and callback.last_stats == {}
 
 
 def test_bf16_mixed_matches_eager_within_bf16_tolerance():
-    graphed = predictions(CUDAGraphCallback(budgets=BUDGETS), precision="bf16-mixed")
+    graphed = predictions(
+        CUDAGraphCallback(budgets=BUDGETS, capture="first_use"), precision="bf16-mixed"
+    )
     eager = predictions(precision="bf16-mixed")
     assert ((graphed - eager).norm() / eager.norm()).item() < 2e-2
 
@@ -155,7 +183,7 @@ class MetricsLogger(Logger):
 @pytest.mark.parametrize("stage", ["validate", "predict"])
 def test_stats_reach_the_loggers(stage):
     memory = MetricsLogger()
-    run = trainer(CUDAGraphCallback(budgets=BUDGETS), logger=memory)
+    run = trainer(CUDAGraphCallback(budgets=BUDGETS, capture="first_use"), logger=memory)
     getattr(run, stage)(model(), datamodule())
     assert memory.metrics["cudagraph/items"] == 12
     assert memory.metrics["cudagraph/hits"] >= 1
@@ -165,7 +193,7 @@ def test_stats_reach_the_loggers(stage):
 def test_compiled_tower_is_left_alone_with_a_warning():
     net = model()
     net.vision_tower = torch.compile(net.vision_tower)
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     with pytest.warns(UserWarning, match="torch.compile"):
         callback.setup(trainer(callback), net, "predict")
     assert callback.manager is None
@@ -184,6 +212,14 @@ def test_compiled_tower_is_left_alone_with_a_warning():
         ({"stages": ["test"]}, "stages"),
         ({"max_items_per_batch": 0}, "max_items_per_batch"),
         ({"module": "vision tower"}, "module"),
+        ({"adapter": "magic"}, "adapter"),
+        ({"stages": "validate"}, "stages must be a list"),
+        ({"keep_graphs": "no"}, "keep_graphs must be true or false"),
+        ({"verify": "no"}, "verify must be true or false"),
+        ({"capture": "always"}, "capture must be one of paid_back, first_use"),
+        ({"min_sightings": 0}, "min_sightings"),
+        ({"budgets": {"budgets": [64.9, 128]}}, "budgets"),
+        ({"budgets": "pow2"}, "budgets must be a mapping"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, field):
@@ -198,12 +234,11 @@ def test_bad_arguments_fail_at_construction(kwargs, field):
         ({"module": "hparams"}, "not a torch.nn.Module"),
         ({"module": "head"}, "no adapter fits"),
         ({"budgets": {"budgets": [8, 16]}, "max_items_per_batch": 32}, "max_items"),
-        ({"paths": {"elsewhere": {"budgets": [8]}}}, "path_budgets"),
-        ({"adapter": "magic"}, "adapter"),
+        ({"paths": {"elsewhere": {"budgets": [8]}}}, r"paths names unknown .*'elsewhere'"),
     ],
 )
 def test_bad_towers_and_budgets_fail_at_setup(kwargs, field):
-    callback = CUDAGraphCallback(**kwargs)
+    callback = CUDAGraphCallback(**kwargs, capture="first_use")
     with pytest.raises(ValueError, match=field):
         callback.setup(trainer(callback), model(), "predict")
 
@@ -213,7 +248,7 @@ def test_sharding_strategies_are_refused():
         strategy = FSDPStrategy()
 
     with pytest.raises(RuntimeError, match="FSDPStrategy"):
-        CUDAGraphCallback().setup(FakeTrainer(), model(), "fit")
+        CUDAGraphCallback(capture="first_use").setup(FakeTrainer(), model(), "fit")
 
 
 def test_a_tower_implementing_the_protocol_is_used_as_is():
@@ -240,7 +275,7 @@ def test_hydra_target_builds_the_callback():
         )
     callback = instantiate(cfg.cudagraph)
     assert isinstance(callback, CUDAGraphCallback)
-    assert callback.mode.name == "FULL_UNIFORM_ONLY" and callback.budgets.max_budget == 512
+    assert callback.mode.name == "FULL_UNIFORM_ONLY" and callback.config.budgets.max_budget == 512
 
 
 def test_lightning_cli_adds_the_callback():
@@ -261,4 +296,4 @@ def test_lightning_cli_adds_the_callback():
         ],
     )
     [callback] = [c for c in cli.trainer.callbacks if isinstance(c, CUDAGraphCallback)]
-    assert callback.mode.name == "FULL_UNIFORM_ONLY" and callback.max_items_per_batch == 2
+    assert callback.mode.name == "FULL_UNIFORM_ONLY" and callback.config.max_items_per_batch == 2

@@ -59,7 +59,7 @@ def no_tf32(monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_predict_equals_eager_for_each_model_and_mode(kind, mode):
     callback = CUDAGraphCallback(
-        mode=mode, budgets={"max_budget": 256} if kind == "packed" else None
+        mode=mode, budgets={"max_budget": 256} if kind == "packed" else None, capture="first_use"
     )
     net = model(kind)
     # full_uniform_only graphs only batches of one image size.
@@ -75,7 +75,7 @@ def test_predict_equals_eager_for_each_model_and_mode(kind, mode):
 
 @pytest.mark.parametrize("inference_mode", [True, False])
 def test_bf16_mixed_and_inference_mode(inference_mode):
-    callback = CUDAGraphCallback(budgets={"max_budget": 256})
+    callback = CUDAGraphCallback(budgets={"max_budget": 256}, capture="first_use")
     net = model("packed")
     run = dict(precision="bf16-mixed", inference_mode=inference_mode)
     graphed = torch.cat(trainer(callback, **run).predict(net, datamodule("packed")))
@@ -85,12 +85,12 @@ def test_bf16_mixed_and_inference_mode(inference_mode):
 
 
 def test_graphs_are_captured_once_per_fit_and_again_after_the_tower_moves():
-    callback = CUDAGraphCallback(budgets={"max_budget": 256})
+    callback = CUDAGraphCallback(budgets={"max_budget": 256}, capture="first_use")
     graphs_after_each_validation = []
 
     class Record(Callback):
         def on_validation_end(self, trainer, pl_module):
-            graphs_after_each_validation.append(dict(callback.manager._graphs))
+            graphs_after_each_validation.append(dict(callback.manager.cache.items()))
 
     net = model("packed")
     fit = trainer(callback, Record(), max_epochs=2)

@@ -70,7 +70,7 @@ def assert_summed(stats: list[dict], local: list[dict]) -> None:
 
 
 def _predict(rank: int, world_size: int, out: Path) -> None:
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     rows = ddp_predict(callback)
     local = callback.manager.stats.as_dict()
     torch.save({"rows": rows, "stats": callback.last_stats, "local": local}, out / f"rank{rank}.pt")
@@ -92,7 +92,7 @@ def test_ddp_predict_matches_single_process_and_sums_stats(tmp_path):
 
 
 def _fit_validate(rank: int, world_size: int, out: Path) -> None:
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     net = model()
     fit_trainer = ddp_trainer(callback, max_epochs=1, deterministic=True)
     fit_trainer.fit(net, datamodule(NUM_ITEMS))
@@ -133,7 +133,7 @@ def test_ddp_fit_trains_eagerly_and_validates_through_graphs(tmp_path):
 
 
 def _data_parallel_predict(rank: int, world_size: int, out: Path) -> None:
-    callback = CUDAGraphCallback(budgets=BUDGETS, encoder_data_parallel=True)
+    callback = CUDAGraphCallback(budgets=BUDGETS, encoder_data_parallel=True, capture="first_use")
     # Every rank receives every batch; the items of each are shared out.
     rows = ddp_predict(callback, use_distributed_sampler=False)
     local = callback.manager.stats.as_dict()
@@ -163,7 +163,7 @@ def _capture_fails_on_rank_one(rank: int, world_size: int, out: Path) -> None:
             raise RuntimeError("capture exploded")
 
         PackedEncoderAdapter.capture_inputs = capture_inputs
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     runs = []
     for _ in range(2):
         with warnings.catch_warnings(record=True) as caught:

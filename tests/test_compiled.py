@@ -6,7 +6,8 @@ from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.encoder import GraphableEncoder
-from lightning_cg.manager import EncoderGraphManager, relative_error
+from lightning_cg.manager import EncoderGraphManager
+from lightning_cg.replay import relative_error
 
 
 def make_batch(rng: random.Random, lengths: list[int], device="cpu", dtype=torch.float32):
@@ -46,7 +47,7 @@ def test_manager_replays_the_compiled_forward():
     tower = ToyTower(global_tokens=4).eval()
     compiled = []
     encoder = CompiledEncoder(ToyEncoder(tower), backend="eager", on_compile=compiled.append)
-    manager = EncoderGraphManager(encoder)
+    manager = EncoderGraphManager(encoder, capture="first_use")
     check_parity(manager, tower, 1e-5)
     assert manager.stats.hits > 0
     assert len(compiled) == 2  # one path each
@@ -58,7 +59,7 @@ def test_compile_true_matches_eager_on_cpu():
     # Inductor generates and builds C++ for the CPU: about 45 s cold on two cores.
     torch.manual_seed(0)
     tower = ToyTower().eval()
-    manager = EncoderGraphManager(ToyEncoder(tower), compile=True)
+    manager = EncoderGraphManager(ToyEncoder(tower), compile=True, capture="first_use")
     assert isinstance(manager.encoder, CompiledEncoder)
     check_parity(manager, tower, 1e-5)
     assert manager.stats.hits > 0 and manager.stats.compile_seconds > 0
@@ -68,7 +69,9 @@ def test_compile_refuses_piecewise_modes():
     with pytest.raises(
         ValueError, match=r"compile=True.*'piecewise'.*none, full, full_uniform_only"
     ):
-        EncoderGraphManager(ToyEncoder(ToyTower()), mode="piecewise", compile=True)
+        EncoderGraphManager(
+            ToyEncoder(ToyTower()), mode="piecewise", compile=True, capture="first_use"
+        )
 
 
 @pytest.mark.cuda
@@ -76,8 +79,8 @@ def test_compile_refuses_piecewise_modes():
 def test_cuda_compiled_capture_matches_eager_in_bf16(mode):
     torch.manual_seed(0)
     tower = ToyTower(global_tokens=4).cuda().to(torch.bfloat16).eval()
-    manager = EncoderGraphManager(ToyEncoder(tower), mode=mode, compile=True)
+    manager = EncoderGraphManager(ToyEncoder(tower), mode=mode, compile=True, capture="first_use")
     check_parity(manager, tower, 2e-2, device="cuda", dtype=torch.bfloat16)
     stats = manager.stats
     assert stats.hits > 0 and stats.graphs > 0 and stats.compile_seconds > 0
-    assert all(graph.cuda_graph is not None for graph in manager._graphs.values())
+    assert all(graph.cuda_graph is not None for graph in manager.cache.graphs())

@@ -11,7 +11,7 @@ from test_callback import predictions
 from test_manager import make_batch, run
 from toy_encoder import ToyEncoder, ToyTower
 
-import lightning_cg.manager as manager_module
+import lightning_cg.capture as capture_module
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.callback import CUDAGraphCallback
 from lightning_cg.faults import (
@@ -22,7 +22,8 @@ from lightning_cg.faults import (
     diagnose,
     is_out_of_memory,
 )
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
+from lightning_cg.replay import relative_error
 
 BUDGETS = BudgetConfig(budgets=[8, 16, 32, 64])
 HOST_SYNC = (
@@ -172,40 +173,42 @@ def test_out_of_memory_is_recognised_by_type_and_message():
 
 def test_out_of_memory_keeps_the_budgets_below_the_failing_one(monkeypatch):
     freed = []
-    free = manager_module.free_device_memory
-    monkeypatch.setattr(manager_module, "free_device_memory", lambda: freed.append(free()))
+    free = capture_module.free_device_memory
+    monkeypatch.setattr(capture_module, "free_device_memory", lambda: freed.append(free()))
     tower = ToyTower().eval()
     encoder = FailingEncoder(
         tower, lambda spec: (spec.path, spec.token_budget) == ("local", 32), out_of_memory
     )
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS)
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # 12 tokens: budget 16; 30 and 21 tokens: eager and split into budget-16 sub-batches.
+        # 12 tokens: budget 16; 30 tokens: 32 fails, so eager; 21 tokens: split
+        # into sub-batches of budgets 16 and 8.
         run_and_compare(manager, tower, [[5, 7], [30], [3] * 7, [9]])
         manager.clear()  # what memory taught stays: 32 and 64 are not tried again
         run_and_compare(manager, tower, [[5, 7], [2, 2]])
     [warning] = messages(caught, "out of memory")
     assert "path 'local' at token budget 32" in warning and "[8, 16]" in warning
-    # 64 captured, 32 failed; both freed, then 16 and 8; after clear() only 16 and 8.
-    assert encoder.captured == [("local", b) for b in (64, 32, 16, 8, 16, 8)]
+    # Each key when first needed: 16, then 32 failed (64 never tried), 8; after
+    # clear() only 16 and 8 again.
+    assert encoder.captured == [("local", b) for b in (16, 32, 8, 16, 8)]
     assert len(freed) == 1
     assert manager.paths["local"].budgets == [8, 16]
-    assert sorted(key[3].num_tokens for key in manager._graphs) == [8, 16]
+    assert sorted(key.descriptor.num_tokens for key in manager.cache.keys()) == [8, 16]
     assert manager.stats.hits > 0 and manager.stats.misses > 0
 
 
 def test_out_of_memory_at_every_budget_runs_the_path_eagerly_and_warns_once():
     tower = ToyTower(global_tokens=4).eval()
     encoder = FailingEncoder(tower, lambda spec: spec.path == "global", out_of_memory)
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS)
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_and_compare(manager, tower, [[5, 7], [3, 3, 3], [9], [1, 2]])
     [warning] = messages(caught, "out of memory")
-    assert "path 'global' at token budget 64, then 32, then 16, then 8" in warning
+    assert "path 'global' at token budget 8" in warning  # the smallest: nothing left
     assert "path 'global' runs eagerly" in warning
-    assert {key[1] for key in manager._graphs} == {"local"}
+    assert {key.path for key in manager.cache.keys()} == {"local"}
     assert manager.paths["global"].eager_reason is not None
     # Every sub-batch: local from a graph, global eagerly.
     assert manager.stats.hits == manager.stats.misses == manager.stats.sub_batches
@@ -215,20 +218,21 @@ def test_the_callback_keeps_the_budgets_that_fit(monkeypatch):
     capture_inputs = PackedEncoderAdapter.capture_inputs
 
     def failing(self, spec):
-        if spec.token_budget >= 128:
+        if spec.token_budget >= 32:
             raise out_of_memory()
         return capture_inputs(self, spec)
 
     monkeypatch.setattr(PackedEncoderAdapter, "capture_inputs", failing)
-    callback = CUDAGraphCallback(budgets=CALLBACK_BUDGETS)
+    callback = CUDAGraphCallback(budgets=CALLBACK_BUDGETS, capture="first_use")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = predictions(callback)
-    [warning] = messages(caught, "out of memory")
-    assert "path 'local' at token budget 256, then 128" in warning
+    found = messages(caught, "out of memory")
+    # One warning per key that failed when first needed, each naming what is kept.
+    assert found and all("path 'local' at token budget" in warning for warning in found)
     assert not messages(caught, "capturing graphs failed")  # the rank did not turn eager
     assert callback.manager.capture_error is None and callback.last_stats["hits"] > 0
-    assert callback.manager.paths["local"].budgets == [8, 16, 32, 64]
+    assert callback.manager.paths["local"].budgets == [8, 16]
     monkeypatch.undo()
     torch.testing.assert_close(graphed, predictions(), rtol=1e-5, atol=1e-6)
 
@@ -239,7 +243,7 @@ def test_the_callback_keeps_the_budgets_that_fit(monkeypatch):
 def test_an_uncapturable_tower_runs_eagerly_with_the_cause_and_the_fix():
     tower = ToyTower(global_tokens=4).eval()
     encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError(HOST_SYNC))
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS)
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_and_compare(manager, tower, [[5, 7], [3, 3, 3], [9]])
@@ -250,14 +254,15 @@ def test_an_uncapturable_tower_runs_eagerly_with_the_cause_and_the_fix():
     for path, warning in zip(("local", "global"), found, strict=True):
         assert f"capturing path {path!r} failed" in warning
         assert ".item()" in warning and "replay metadata" in warning
-    assert encoder.captured == [("local", 64), ("global", 64)]  # one attempt per path
-    assert not manager._graphs and manager.stats.hits == 0
+    # One attempt per path, at the first key each needed.
+    assert encoder.captured == [("local", 16), ("global", 8)]
+    assert not manager.is_captured() and manager.stats.hits == 0
 
 
 def test_an_unknown_capture_error_is_raised():
     tower = ToyTower().eval()
     encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError("capture exploded"))
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS)
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     with torch.no_grad(), pytest.raises(RuntimeError, match="capture exploded"):
         run(manager, *make_batch(random.Random(0), [5]))
 
@@ -265,7 +270,9 @@ def test_an_unknown_capture_error_is_raised():
 def test_capture_errors_eager_runs_every_path_eagerly_from_then_on():
     tower = ToyTower(global_tokens=4).eval()
     encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError("capture exploded"))
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture_errors="eager")
+    manager = EncoderGraphManager(
+        encoder, budgets=BUDGETS, capture_errors="eager", capture="first_use"
+    )
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_and_compare(manager, tower, [[5, 7], [3, 3, 3]])  # the call that failed too
@@ -273,13 +280,13 @@ def test_capture_errors_eager_runs_every_path_eagerly_from_then_on():
     assert "capture exploded" in warning and "every path runs eagerly" in warning
     assert "capture exploded" in manager.capture_error
     assert all(plan.eager_reason for plan in manager.paths.values())
-    assert encoder.captured == [("local", 64)]  # no attempt after the first failure
-    assert not manager._graphs and manager.stats.hits == 0
+    assert encoder.captured == [("local", 16)]  # no attempt after the first failure
+    assert not manager.is_captured() and manager.stats.hits == 0
 
 
 def test_capture_errors_must_be_known():
     with pytest.raises(ValueError, match="capture_errors must be one of raise, eager"):
-        EncoderGraphManager(ToyEncoder(ToyTower()), capture_errors="ignore")
+        EncoderGraphManager(ToyEncoder(ToyTower()), capture_errors="ignore", capture="first_use")
 
 
 @pytest.mark.parametrize("ladder", ["pow2", "auto"])
@@ -290,7 +297,9 @@ def test_the_callback_runs_eagerly_after_an_unknown_capture_error(monkeypatch, l
         raise RuntimeError("capture exploded")
 
     monkeypatch.setattr(PackedEncoderAdapter, "capture_inputs", exploding)
-    callback = CUDAGraphCallback(budgets={**CALLBACK_BUDGETS, "ladder": ladder})
+    callback = CUDAGraphCallback(
+        budgets={**CALLBACK_BUDGETS, "ladder": ladder}, capture="first_use"
+    )
     with pytest.warns(RuntimeWarning, match="capture exploded"):
         graphed = predictions(callback)
     assert callback.last_stats["hits"] == 0 and callback.last_stats["items"] == 12
@@ -318,7 +327,9 @@ class ScaleCachingEncoder(ToyEncoder):
 @pytest.mark.parametrize("verify", [False, True])
 def test_verify_catches_a_tower_that_reads_a_stale_python_scalar(verify):
     tower = ScaleCachingTower().eval()
-    manager = EncoderGraphManager(ScaleCachingEncoder(tower), budgets=BUDGETS, verify=verify)
+    manager = EncoderGraphManager(
+        ScaleCachingEncoder(tower), budgets=BUDGETS, verify=verify, capture="first_use"
+    )
     tokens, lengths = make_batch(random.Random(0), [5, 6])
     inputs = manager.encoder.inputs_from_call((tokens, lengths), {})
     with torch.no_grad():
@@ -368,7 +379,9 @@ class HostTensorEncoder(ToyEncoder):
 def test_cuda_an_uncapturable_tower_runs_eagerly(encoder_class, words):
     torch.manual_seed(0)
     tower = ToyTower(global_tokens=4).cuda().eval()
-    manager = EncoderGraphManager(encoder_class(tower, max_budget=64), budgets=BUDGETS)
+    manager = EncoderGraphManager(
+        encoder_class(tower, max_budget=64), budgets=BUDGETS, capture="first_use"
+    )
     stream = torch.cuda.current_stream()
     rng = random.Random(0)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
@@ -380,10 +393,12 @@ def test_cuda_an_uncapturable_tower_runs_eagerly(encoder_class, words):
     found = messages(caught, "runs eagerly")
     assert len(found) == 2, [str(w.message) for w in caught]
     assert all(words in warning and "Fix:" in warning for warning in found)
-    assert not manager._graphs and manager.stats.hits == 0
+    assert not manager.is_captured() and manager.stats.hits == 0
     assert torch.cuda.current_stream() == stream  # the failed capture left no stream behind
     # The device is fine: a capturable tower captures and replays next to it.
-    healthy = EncoderGraphManager(ToyEncoder(tower, max_budget=64), budgets=BUDGETS)
+    healthy = EncoderGraphManager(
+        ToyEncoder(tower, max_budget=64), budgets=BUDGETS, capture="first_use"
+    )
     with torch.no_grad():
         tokens, lengths = make_batch(rng, [5, 7], device="cuda")
         assert relative_error(run(healthy, tokens, lengths), tower(tokens, lengths)) < 1e-5
@@ -403,7 +418,9 @@ class OutOfMemoryInCaptureEncoder(ToyEncoder):
 def test_cuda_out_of_memory_inside_a_capture_keeps_the_smaller_budgets():
     torch.manual_seed(0)
     tower = ToyTower().cuda().eval()
-    manager = EncoderGraphManager(OutOfMemoryInCaptureEncoder(tower), budgets=BUDGETS)
+    manager = EncoderGraphManager(
+        OutOfMemoryInCaptureEncoder(tower), budgets=BUDGETS, capture="first_use"
+    )
     stream = torch.cuda.current_stream()
     rng = random.Random(1)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
@@ -414,7 +431,7 @@ def test_cuda_out_of_memory_inside_a_capture_keeps_the_smaller_budgets():
     [warning] = messages(caught, "out of memory")
     assert "token budget 32" in warning
     assert manager.paths["local"].budgets == [8, 16]
-    assert sorted(key[3].num_tokens for key in manager._graphs) == [8, 16]
-    assert all(graph.cuda_graph is not None for graph in manager._graphs.values())
+    assert sorted(key.descriptor.num_tokens for key in manager.cache.keys()) == [8, 16]
+    assert all(graph.cuda_graph is not None for graph in manager.cache.graphs())
     assert manager.stats.graphs == 2 and manager.stats.hits > 0
     assert torch.cuda.current_stream() == stream

@@ -12,13 +12,16 @@ import torch
 from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.adapters.packed import PackedEncoderAdapter
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, packed_vit_small_config
+from lightning_cg.replay import relative_error
 
 LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 100]
 MANAGERS = {
     "full": dict(mode="full"),
-    "full/min_padding/max_items=3": dict(mode="full", packing="min_padding", max_items=3),
+    "full/min_padding/max_items_per_batch=3": dict(
+        mode="full", packing="min_padding", max_items_per_batch=3
+    ),
     "full/geometric/frames=4": dict(
         mode="full",
         budgets=BudgetConfig(ladder="geometric", min_budget=8, max_budget=64, ratio=1.5, align=4),
@@ -56,7 +59,9 @@ def test_replay_equals_eager_on_random_compositions(batches):
     torch.manual_seed(0)
     towers = {tokens: ToyTower(global_tokens=tokens).eval() for tokens in (0, 4)}
     managers = {
-        (name, tokens): EncoderGraphManager(ToyEncoder(tower, max_budget=64), **options)
+        (name, tokens): EncoderGraphManager(
+            ToyEncoder(tower, max_budget=64), **options, capture="first_use"
+        )
         for name, options in MANAGERS.items()
         for tokens, tower in towers.items()
     }
@@ -108,7 +113,7 @@ def test_cuda_packed_replay_equals_eager_on_random_compositions(dtype, tolerance
     config = packed_vit_small_config(global_view=True, global_grid=8)
     tower = PackedViT(config).cuda().to(dtype).eval()
     adapter = PackedEncoderAdapter(tower, max_frames_per_item=2, max_token_budget=512)
-    manager = EncoderGraphManager(adapter, mode="full")
+    manager = EncoderGraphManager(adapter, mode="full", capture="first_use")
     rng = random.Random(str(dtype))
     with torch.no_grad():
         for index in range(500):
@@ -120,5 +125,5 @@ def test_cuda_packed_replay_equals_eager_on_random_compositions(dtype, tolerance
             error = relative_error(actual, expected)
             assert error < tolerance, (index, error, grid_thw.tolist())
     stats = manager.stats
-    assert stats.hits > 0 and stats.misses > 0 and stats.graphs == len(manager._graphs)
-    assert all(graph.cuda_graph is not None for graph in manager._graphs.values())
+    assert stats.hits > 0 and stats.misses > 0 and stats.graphs == len(manager.cache)
+    assert all(graph.cuda_graph is not None for graph in manager.cache.graphs())

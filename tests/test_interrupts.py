@@ -75,7 +75,7 @@ def test_an_interrupted_step_restores_the_forward_and_fit_trains_eagerly(
 ):
     torch.manual_seed(0)
     net = Interrupted(stage, error)
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     interrupt(trainer(callback), stage, net, error)
     assert net.graphed_steps == 2  # both steps ran the graphed forward
     assert "forward" not in net.vision_tower.__dict__
@@ -89,7 +89,7 @@ def test_an_interrupted_step_restores_the_forward_and_fit_trains_eagerly(
 def test_an_interrupt_inside_the_graphed_forward_unwinds_it(error, sigint_handler, monkeypatch):
     torch.manual_seed(0)
     net = Interrupted("none", error)
-    callback = CUDAGraphCallback(budgets=BUDGETS)
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     execute = EncoderGraphManager.execute
     calls = []
 

@@ -55,10 +55,10 @@ def composition(rng: random.Random) -> list[int]:
 
 def held(manager: EncoderGraphManager) -> dict:
     """What the manager keeps between batches: graphs, their buffers, live tensors."""
-    buffers = [buffer for graph in manager._graphs.values() for buffer in graph.buffers.values()]
+    buffers = [buffer for graph in manager.cache.graphs() for buffer in graph.buffers.values()]
     gc.collect()
     return {
-        "graphs": len(manager._graphs),
+        "graphs": len(manager.cache),
         "buffer_bytes": sum(buffer.nbytes for buffer in buffers),
         "buffer_addresses": sorted(buffer.data_ptr() for buffer in buffers),
         "live_tensors": sum(issubclass(type(obj), torch.Tensor) for obj in gc.get_objects()),
@@ -71,7 +71,7 @@ def test_graphs_and_buffers_hold_flat_and_stats_stay_exact(batches):
     rng = random.Random(batches)
     tower = ToyTower(global_tokens=4).eval()
     encoder = CountingEncoder(tower)
-    manager = EncoderGraphManager(encoder, mode="full")
+    manager = EncoderGraphManager(encoder, mode="full", capture="first_use")
     items = tokens = 0
     with torch.no_grad():
         for index in range(1, batches + 1):
@@ -125,7 +125,7 @@ def test_cuda_memory_holds_flat_over_a_long_validation(batches):
     config = packed_vit_small_config(global_view=True, global_grid=8)
     tower = PackedViT(config).cuda().to(dtype).eval()
     adapter = PackedEncoderAdapter(tower, max_token_budget=1024)
-    manager = EncoderGraphManager(adapter, mode="full")
+    manager = EncoderGraphManager(adapter, mode="full", capture="first_use")
     rng = random.Random(batches)
     marks = {}
     started = time.perf_counter()
@@ -139,7 +139,7 @@ def test_cuda_memory_holds_flat_over_a_long_validation(batches):
                 marks[index] = {
                     "allocated_bytes": torch.cuda.memory_allocated(),
                     "reserved_bytes": torch.cuda.memory_reserved(),
-                    "graphs": len(manager._graphs),
+                    "graphs": len(manager.cache),
                 }
     seconds = time.perf_counter() - started
     warm, last = marks[WARM_UP], marks[batches]

@@ -6,8 +6,10 @@ from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.dispatcher import GraphMode
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, _padded, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
+from lightning_cg.replay import padded as _padded
+from lightning_cg.replay import relative_error
 
 
 def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, device="cpu"):
@@ -27,7 +29,7 @@ def random_lengths(rng: random.Random, max_budget: int) -> list[int]:
 
 def manager_for(tower: ToyTower, per_item_metadata: bool = False, **kwargs) -> EncoderGraphManager:
     encoder = ToyEncoder(tower, max_budget=64, per_item_metadata=per_item_metadata)
-    return EncoderGraphManager(encoder, **kwargs)
+    return EncoderGraphManager(encoder, **kwargs, capture="first_use")
 
 
 def run(manager: EncoderGraphManager, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,7 @@ def test_stats_count_hits_misses_and_padding():
 
 def test_max_items_splits_batches_and_keeps_order():
     tower = ToyTower().eval()
-    manager = manager_for(tower, budgets=BudgetConfig(budgets=[16, 32, 64]), max_items=2)
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[16, 32, 64]), max_items_per_batch=2)
     rng = random.Random(1)
     tokens, lengths = make_batch(rng, [9, 1, 4, 2, 3])
     with torch.no_grad():
@@ -102,11 +104,11 @@ def test_per_item_metadata_captures_a_graph_per_item_count_sharing_input_buffers
         ToyTower().eval(),
         per_item_metadata=True,
         budgets=BudgetConfig(budgets=[8, 32]),
-        max_items=4,
+        max_items_per_batch=4,
     )
     with torch.no_grad():
         run(manager, *make_batch(random.Random(6), [3]))
-    local = {key[3]: graph for key, graph in manager._graphs.items() if key[1] == "local"}
+    local = {key.descriptor: graph for key, graph in manager.cache.items() if key.path == "local"}
     assert sorted((key.num_tokens, key.num_items) for key in local) == [
         (budget, count) for budget in (8, 32) for count in (1, 2, 4)
     ]
@@ -126,7 +128,11 @@ def test_per_item_metadata_captures_a_graph_per_item_count_sharing_input_buffers
 def per_item_count_manager(tower: ToyTower, **kwargs) -> EncoderGraphManager:
     """Graphs per item count (1, 2, 4, 8) at one budget of 32 tokens."""
     return manager_for(
-        tower, per_item_metadata=True, budgets=BudgetConfig(budgets=[32]), max_items=8, **kwargs
+        tower,
+        per_item_metadata=True,
+        budgets=BudgetConfig(budgets=[32]),
+        max_items_per_batch=8,
+        **kwargs,
     )
 
 
@@ -158,9 +164,9 @@ def test_a_sub_batch_replays_the_graph_with_the_fewest_slots_that_hold_it(monkey
 def local_slots(manager: EncoderGraphManager) -> dict[int, int]:
     """Item count -> sequence slots of each local FULL graph (one budget)."""
     return {
-        key[3].num_items: graph.spec.max_frames
-        for key, graph in manager._graphs.items()
-        if key[1] == "local"
+        key.descriptor.num_items: graph.spec.max_frames
+        for key, graph in manager.cache.items()
+        if key.path == "local"
     }
 
 
@@ -204,8 +210,9 @@ def test_an_item_of_several_frames_takes_a_graph_with_enough_slots(
     manager = EncoderGraphManager(
         adapter,
         budgets=BudgetConfig(budgets=[32]),
-        max_items=max_items,
+        max_items_per_batch=max_items,
         max_frames_per_batch=max_frames_per_batch,
+        capture="first_use",
     )
     replayed = record_replayed_slots(manager, monkeypatch)
     patches, grid_thw = patchify([torch.randn(frames, 3, 16, 16)], config.patch_size)
@@ -238,7 +245,7 @@ def test_output_never_aliases_graph_buffers():
         run(manager, *make_batch(rng, [9, 9]))
     assert torch.equal(first, snapshot)
     storages = {
-        b.untyped_storage().data_ptr() for g in manager._graphs.values() for b in g.buffers.values()
+        b.untyped_storage().data_ptr() for g in manager.cache.graphs() for b in g.buffers.values()
     }
     assert first.untyped_storage().data_ptr() not in storages
 
@@ -286,7 +293,7 @@ class LeakyEncoder(ToyEncoder):
 def test_verify_catches_a_replay_that_differs_from_eager():
     tower = ToyTower().eval()
     manager = EncoderGraphManager(
-        LeakyEncoder(tower), budgets=BudgetConfig(budgets=[32]), verify=True
+        LeakyEncoder(tower), budgets=BudgetConfig(budgets=[32]), verify=True, capture="first_use"
     )
     with torch.no_grad(), pytest.raises(RuntimeError, match="budget 32"):
         run(manager, *make_batch(random.Random(6), [5, 6]))
@@ -297,7 +304,7 @@ def test_verify_passes_a_correct_encoder_once_per_graph():
     manager = manager_for(tower, budgets=BudgetConfig(budgets=[32]), verify=True)
     with torch.no_grad():
         run(manager, *make_batch(random.Random(7), [5, 6]))
-    assert all(graph.verified for graph in manager._graphs.values())
+    assert all(graph.verified for graph in manager.cache.graphs())
 
 
 def test_clear_drops_graphs_and_recaptures():
@@ -307,7 +314,7 @@ def test_clear_drops_graphs_and_recaptures():
         run(manager, *make_batch(random.Random(8), [5]))
         assert manager.is_captured()
         manager.clear()
-        assert not manager.is_captured() and not manager._graphs
+        assert not manager.is_captured() and not manager.is_captured()
         run(manager, *make_batch(random.Random(9), [5]))
     assert manager.is_captured()
 
@@ -317,18 +324,18 @@ def test_bad_configuration_names_the_field():
     with pytest.raises(ValueError, match="packing"):
         manager_for(tower, packing="best")
     with pytest.raises(ValueError, match="path_budgets"):
-        manager_for(tower, path_budgets={"nope": BudgetConfig()})
+        manager_for(tower, paths={"nope": BudgetConfig()})
     with pytest.raises(ValueError, match="max_frames_per_batch"):
         manager_for(tower, max_frames_per_batch=0)
     with pytest.raises(ValueError, match="mode"):
         manager_for(tower, mode="fastest")
     with pytest.raises(TypeError, match="GraphableEncoder"):
-        EncoderGraphManager(object())
+        EncoderGraphManager(object(), capture="first_use")
 
 
 def test_path_budgets_override_one_path():
     tower = ToyTower(global_tokens=4)
-    manager = manager_for(tower, path_budgets={"global": BudgetConfig(budgets=[4, 8])})
+    manager = manager_for(tower, paths={"global": BudgetConfig(budgets=[4, 8])})
     assert manager.paths["global"].budgets == [4, 8]
     assert manager.paths["local"].budgets[-1] == 64
 
@@ -348,21 +355,23 @@ def test_cuda_replay_equals_eager(dtype):
             actual = run(manager, tokens, lengths)
             assert relative_error(actual, expected) < tolerance
     assert manager.stats.graphs > 0 and manager.stats.hits > 0
-    assert all(g.cuda_graph is not None for g in manager._graphs.values())
+    assert all(g.cuda_graph is not None for g in manager.cache.graphs())
 
 
 def test_mode_none_never_captures():
     manager = manager_for(ToyTower().eval(), mode=GraphMode.NONE)
     with torch.no_grad():
         run(manager, *make_batch(random.Random(10), [4]))
-    assert not manager._graphs and manager.stats.misses == 1
+    assert not manager.is_captured() and manager.stats.misses == 1
 
 
 def test_default_ladder_starts_at_the_adapters_minimum():
     # Batch-first towers: budgets count items, so batch 1 must get a graph of 1.
     from lightning_cg.adapters.batched import BatchedEncoderAdapter
 
-    manager = EncoderGraphManager(BatchedEncoderAdapter(torch.nn.Linear(4, 4), max_batch_size=64))
+    manager = EncoderGraphManager(
+        BatchedEncoderAdapter(torch.nn.Linear(4, 4), max_batch_size=64), capture="first_use"
+    )
     assert manager.paths["image"].budgets == [1, 2, 4, 8, 16, 32, 64]
     assert manager.max_items == 64
 
@@ -390,7 +399,9 @@ def test_host_rows_are_padded_by_the_buffers_rule():
 
 
 def test_a_sub_batch_of_every_item_in_order_is_not_gathered(monkeypatch):
-    manager = manager_for(ToyTower().eval(), budgets=BudgetConfig(budgets=[16, 64]), max_items=2)
+    manager = manager_for(
+        ToyTower().eval(), budgets=BudgetConfig(budgets=[16, 64]), max_items_per_batch=2
+    )
     gathered = []
     select_items = manager.encoder.select_items
     monkeypatch.setattr(

@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg import measured
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.measured import DecisionTable, check_dispatch, fill_budget
+from lightning_cg.replay import relative_error
 
 #: A small tower: launches dominate, so graphs win below ~700 tokens, then lose.
 GRAPH_MS = {64: 0.5, 256: 0.8, 1024: 6.0, 4096: 30.0}
@@ -119,7 +120,7 @@ def test_unknown_dispatch_names_the_field_and_allowed_values():
     ):
         check_dispatch("fastest")
     with pytest.raises(ValueError, match=r"dispatch must be one of budget, measured"):
-        EncoderGraphManager(ToyEncoder(ToyTower()), dispatch="fastest")
+        EncoderGraphManager(ToyEncoder(ToyTower()), dispatch="fastest", capture="first_use")
 
 
 @pytest.mark.parametrize(
@@ -158,6 +159,7 @@ def measured_manager(table: DecisionTable) -> EncoderGraphManager:
         ToyEncoder(ToyTower().eval()),
         dispatch="measured",
         budgets=BudgetConfig(budgets=[16, 32, 64]),
+        capture="first_use",
     )
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="dispatch='measured'.*no CUDA"):
         run(manager, *make_batch(random.Random(0), [4]))
@@ -174,6 +176,7 @@ def test_table_is_timed_on_the_first_real_items_repeated(monkeypatch):
         ToyEncoder(ToyTower().eval()),
         dispatch="measured",
         budgets=BudgetConfig(budgets=[8, 16, 32, 64]),
+        capture="first_use",
     )
     timed = []
 
@@ -204,7 +207,9 @@ def test_table_is_timed_on_the_first_real_items_repeated(monkeypatch):
 
 
 def test_measured_dispatch_without_cuda_warns_once_and_uses_budgets():
-    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), dispatch="measured")
+    manager = EncoderGraphManager(
+        ToyEncoder(ToyTower().eval()), dispatch="measured", capture="first_use"
+    )
     with torch.no_grad():
         with pytest.warns(RuntimeWarning, match="dispatch='measured'"):
             run(manager, *make_batch(random.Random(1), [4]))
@@ -249,7 +254,9 @@ def test_decision_table_rows_name_path_and_budget():
 def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype, monkeypatch):
     torch.manual_seed(0)
     tower = ToyTower(global_tokens=4).cuda().to(dtype).eval()
-    manager = EncoderGraphManager(ToyEncoder(tower, max_budget=256), dispatch="measured")
+    manager = EncoderGraphManager(
+        ToyEncoder(tower, max_budget=256), dispatch="measured", capture="first_use"
+    )
     replays = []
     replay = manager._replay
 
@@ -280,7 +287,9 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
 @pytest.mark.cuda
 def test_cuda_table_times_eager_on_the_real_items_repeated():
     tower = ToyTower().cuda().eval()
-    manager = EncoderGraphManager(ToyEncoder(tower, max_budget=256), dispatch="measured")
+    manager = EncoderGraphManager(
+        ToyEncoder(tower, max_budget=256), dispatch="measured", capture="first_use"
+    )
     with torch.no_grad():
         run(manager, *make_batch(random.Random(5), [10, 7], device="cuda"))
     (table,) = manager._tables.values()

@@ -82,7 +82,9 @@ TOY_BATCHES = [
 def _toy_case(global_tokens: int, lengths: list[int], seed: int = 0, device: str = "cpu"):
     torch.manual_seed(0)
     tower = ToyTower(global_tokens=global_tokens).eval().to(device)
-    manager = EncoderGraphManager(ToyEncoder(tower, max_budget=64), mode="full")
+    manager = EncoderGraphManager(
+        ToyEncoder(tower, max_budget=64), mode="full", capture="first_use"
+    )
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randn(sum(lengths), 8, generator=generator).to(device)
     return manager, tokens, torch.tensor(lengths)
@@ -129,6 +131,7 @@ def _check_packed_vit(rank: int, world_size: int) -> None:
     manager = EncoderGraphManager(
         PackedEncoderAdapter(tower, min_token_budget=8),
         budgets=BudgetConfig(min_budget=8, max_budget=128),
+        capture="first_use",
     )
     generator = torch.Generator().manual_seed(1)
     sides = [(8, 16), (32, 24), (8, 8), (16, 40), (24, 8)]
@@ -146,7 +149,9 @@ def _check_batched_rows_of_any_shape(rank: int, world_size: int) -> None:
     # A batch-first tower knows no out_hidden_size; its rows are (2, 3) each.
     torch.manual_seed(0)
     tower = nn.Sequential(nn.Flatten(), nn.Linear(12, 6), nn.Unflatten(1, (2, 3))).eval()
-    manager = EncoderGraphManager(BatchedEncoderAdapter(tower, max_batch_size=4))
+    manager = EncoderGraphManager(
+        BatchedEncoderAdapter(tower, max_batch_size=4), capture="first_use"
+    )
     for batch in (5, 1):
         x = torch.randn(batch, 3, 4, generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
@@ -207,7 +212,9 @@ class _FailingEncoder(ToyEncoder):
 def _failures_reach_every_rank(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     tower = ToyTower().eval()
-    manager = EncoderGraphManager(_FailingEncoder(tower, failing_rank=1), mode="none")
+    manager = EncoderGraphManager(
+        _FailingEncoder(tower, failing_rank=1), mode="none", capture="first_use"
+    )
     tokens, lengths = torch.randn(12, 8), torch.tensor([5, 7])
     inputs = manager.encoder.inputs_from_call((tokens, lengths), {})
     expected = "tower exploded" if rank == 1 else r"rank\(s\) \[1\] failed"

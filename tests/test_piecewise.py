@@ -12,7 +12,7 @@ from lightning_cg.adapters.batched import IMAGE_PATH, BatchedEncoderAdapter
 from lightning_cg.adapters.packed import LOCAL_PATH, PackedEncoderAdapter
 from lightning_cg.callback import CUDAGraphCallback
 from lightning_cg.encoder import CaptureSpec
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager, relative_error
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
 from lightning_cg.piecewise import (
     PiecewiseGraph,
@@ -20,6 +20,7 @@ from lightning_cg.piecewise import (
     check_splitting_ops,
     split_graph_forward,
 )
+from lightning_cg.replay import relative_error
 
 PATCH = 4
 SIDES = (8, 16, 24)  # multiples of patch * merge
@@ -217,13 +218,19 @@ def test_bad_splitting_ops_name_the_field(ops):
 
 def test_bad_manager_arguments_name_the_field():
     with pytest.raises(ValueError, match="piecewise_fallback"):
-        EncoderGraphManager(ToyEncoder(ToyTower()), mode="piecewise", piecewise_fallback="cpu")
+        EncoderGraphManager(
+            ToyEncoder(ToyTower()), mode="piecewise", piecewise_fallback="cpu", capture="first_use"
+        )
     with pytest.raises(ValueError, match="splitting_ops"):
-        EncoderGraphManager(ToyEncoder(ToyTower()), mode="piecewise", splitting_ops=["sdpa"])
+        EncoderGraphManager(
+            ToyEncoder(ToyTower()), mode="piecewise", splitting_ops=["sdpa"], capture="first_use"
+        )
 
 
 def test_without_fallback_capture_raises_the_clear_error():
-    manager = EncoderGraphManager(HostReadingEncoder(ToyTower()), mode="piecewise")
+    manager = EncoderGraphManager(
+        HostReadingEncoder(ToyTower()), mode="piecewise", capture="first_use"
+    )
     with torch.no_grad(), pytest.raises(PiecewiseUnsupported, match="HostReadingEncoder"):
         run_tower(manager, *toy_call(random.Random(0), 2))
 
@@ -239,7 +246,9 @@ def test_without_fallback_capture_raises_the_clear_error():
 )
 def test_fallback_warns_and_runs_eager_or_full(mode, fallback, graphed):
     tower = ToyTower().eval()
-    manager = EncoderGraphManager(HostReadingEncoder(tower), mode=mode, piecewise_fallback=fallback)
+    manager = EncoderGraphManager(
+        HostReadingEncoder(tower), mode=mode, piecewise_fallback=fallback, capture="first_use"
+    )
     rng = random.Random(3)
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="HostReadingEncoder"):
         tokens, lengths = toy_call(rng, 1)  # one item: a uniform batch
@@ -251,7 +260,7 @@ def test_fallback_warns_and_runs_eager_or_full(mode, fallback, graphed):
             assert relative_error(run_tower(manager, tokens, lengths), expected) < 1e-5
     assert manager.stats.piecewise_hits == 0
     assert (manager.stats.hits > 0) == graphed
-    assert not any(graph.pieces for graph in manager._graphs.values())
+    assert not any(graph.pieces for graph in manager.cache.graphs())
 
 
 # ------------------------------------------------------------------- manager
@@ -262,7 +271,7 @@ def test_fallback_warns_and_runs_eager_or_full(mode, fallback, graphed):
 def test_toy_manager_equals_eager_on_random_batches(mode, global_tokens):
     rng = random.Random(f"{mode}{global_tokens}")
     tower = ToyTower(global_tokens=global_tokens).eval()
-    manager = EncoderGraphManager(ToyEncoder(tower, max_budget=64), mode=mode)
+    manager = EncoderGraphManager(ToyEncoder(tower, max_budget=64), mode=mode, capture="first_use")
     with torch.no_grad():
         for _ in range(100):
             tokens, lengths = toy_call(rng, random_count(rng))
@@ -280,7 +289,9 @@ def test_packed_manager_equals_eager_on_random_batches(mode):
     rng = random.Random(mode)
     tower = packed_tower(global_view=True)
     adapter = PackedEncoderAdapter(tower, max_frames_per_item=2, max_token_budget=64)
-    manager = EncoderGraphManager(adapter, mode=mode, budgets=BudgetConfig(min_budget=4))
+    manager = EncoderGraphManager(
+        adapter, mode=mode, budgets=BudgetConfig(min_budget=4), capture="first_use"
+    )
     with torch.no_grad():
         for _ in range(30):
             patches, grid_thw = packed_call(rng, random_count(rng), max_frames=2)
@@ -292,7 +303,9 @@ def test_packed_manager_equals_eager_on_random_batches(mode):
 def test_vit_manager_equals_eager_on_random_batches():
     rng = random.Random(4)
     tower = tiny_vit()
-    manager = EncoderGraphManager(BatchedEncoderAdapter(tower, max_batch_size=8), mode="piecewise")
+    manager = EncoderGraphManager(
+        BatchedEncoderAdapter(tower, max_batch_size=8), mode="piecewise", capture="first_use"
+    )
     with torch.no_grad():
         for _ in range(10):
             x = torch.randn(rng.randint(1, 12), 3, 32, 32)
@@ -304,7 +317,7 @@ def test_frames_over_the_full_capacity_run_piecewise():
     tower = packed_tower()
     # The adapter promises images; videos overflow the FULL graphs' metadata.
     adapter = PackedEncoderAdapter(tower, min_token_budget=4, max_token_budget=64)
-    manager = EncoderGraphManager(adapter, mode="full_and_piecewise")
+    manager = EncoderGraphManager(adapter, mode="full_and_piecewise", capture="first_use")
     video = torch.randn(3, 3, 8, 8)
     patches, grid_thw = patchify([video, video], PATCH)  # uniform: an exact FULL key
     with torch.no_grad():
@@ -314,7 +327,9 @@ def test_frames_over_the_full_capacity_run_piecewise():
 
 
 def test_piecewise_stats_reach_as_dict():
-    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), mode="piecewise")
+    manager = EncoderGraphManager(
+        ToyEncoder(ToyTower().eval()), mode="piecewise", capture="first_use"
+    )
     with torch.no_grad():
         run_tower(manager, *toy_call(random.Random(5), 3))
     assert manager.stats.as_dict()["piecewise_hits"] == manager.stats.piecewise_hits > 0
@@ -322,11 +337,14 @@ def test_piecewise_stats_reach_as_dict():
 
 def test_callback_checks_and_passes_the_piecewise_arguments():
     with pytest.raises(ValueError, match="piecewise_fallback"):
-        CUDAGraphCallback(mode="piecewise", piecewise_fallback="never")
+        CUDAGraphCallback(mode="piecewise", piecewise_fallback="never", capture="first_use")
     with pytest.raises(ValueError, match="splitting_ops"):
-        CUDAGraphCallback(mode="piecewise", splitting_ops=["attention"])
+        CUDAGraphCallback(mode="piecewise", splitting_ops=["attention"], capture="first_use")
     callback = CUDAGraphCallback(
-        mode="piecewise", splitting_ops=["aten.gelu"], piecewise_fallback="full"
+        mode="piecewise",
+        splitting_ops=["aten.gelu"],
+        piecewise_fallback="full",
+        capture="first_use",
     )
     manager = callback._build_manager(packed_tower())
     assert manager.splitting_ops == ("aten::gelu",)
@@ -344,8 +362,8 @@ def test_hydra_overrides_reach_the_callback():
             ],
         )
     callback = instantiate(cfg.cudagraph)
-    assert callback.splitting_ops == ("aten::scaled_dot_product_attention",)
-    assert callback.piecewise_fallback == "eager"
+    assert callback.config.splitting_ops == ("aten::scaled_dot_product_attention",)
+    assert callback.config.piecewise_fallback == "eager"
 
 
 # ---------------------------------------------------------------------- CUDA
@@ -362,7 +380,9 @@ def test_cuda_packed_replay_equals_eager(mode, dtype):
     rng = random.Random(f"{mode}{dtype}")
     tower = packed_tower(global_view=True, device="cuda").to(dtype)
     adapter = PackedEncoderAdapter(tower, max_frames_per_item=2, max_token_budget=64)
-    manager = EncoderGraphManager(adapter, mode=mode, budgets=BudgetConfig(min_budget=4))
+    manager = EncoderGraphManager(
+        adapter, mode=mode, budgets=BudgetConfig(min_budget=4), capture="first_use"
+    )
     with torch.no_grad():
         for _ in range(50):
             patches, grid_thw = packed_call(rng, random_count(rng), dtype, "cuda", max_frames=2)
@@ -371,7 +391,7 @@ def test_cuda_packed_replay_equals_eager(mode, dtype):
             assert torch.isfinite(actual).all()
             assert relative_error(actual, expected) < cuda_tolerance(dtype)
     assert manager.stats.piecewise_hits > 0
-    pieces = [graph.pieces for graph in manager._graphs.values() if graph.pieces]
+    pieces = [graph.pieces for graph in manager.cache.graphs() if graph.pieces]
     assert pieces and all(p.num_graphs == tower.config.depth + 1 for p in pieces)
 
 
@@ -382,13 +402,15 @@ def test_cuda_vit_replay_equals_eager(dtype, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     rng = random.Random(str(dtype))
     tower = tiny_vit("cuda").to(dtype)
-    manager = EncoderGraphManager(BatchedEncoderAdapter(tower, max_batch_size=8), mode="piecewise")
+    manager = EncoderGraphManager(
+        BatchedEncoderAdapter(tower, max_batch_size=8), mode="piecewise", capture="first_use"
+    )
     with torch.no_grad():
         for _ in range(30):
             x = torch.randn(rng.randint(1, 12), 3, 32, 32, device="cuda", dtype=dtype)
             assert relative_error(run_tower(manager, x), tower(x)) < cuda_tolerance(dtype)
     assert manager.stats.piecewise_hits == manager.stats.hits > 0
-    assert all(graph.pieces.num_graphs == 3 for graph in manager._graphs.values())
+    assert all(graph.pieces.num_graphs == 3 for graph in manager.cache.graphs())
 
 
 @pytest.mark.cuda
@@ -396,7 +418,7 @@ def test_cuda_vit_replay_equals_eager(dtype, monkeypatch):
 def test_cuda_frames_over_the_full_capacity_run_piecewise(dtype):
     tower = packed_tower(device="cuda").to(dtype)
     adapter = PackedEncoderAdapter(tower, min_token_budget=4, max_token_budget=64)
-    manager = EncoderGraphManager(adapter, mode="full_and_piecewise")
+    manager = EncoderGraphManager(adapter, mode="full_and_piecewise", capture="first_use")
     video = torch.randn(3, 3, 8, 8)
     patches, grid_thw = patchify([video, video], PATCH)
     patches, grid_thw = patches.to("cuda", dtype), grid_thw.cuda()

@@ -153,7 +153,7 @@ def manager_for(tower: nn.Module):
     from lightning_cg.manager import EncoderGraphManager
 
     adapter = BatchedEncoderAdapter(tower, max_batch_size=8)
-    return adapter, EncoderGraphManager(adapter, mode="full", verify=True)
+    return adapter, EncoderGraphManager(adapter, mode="full", verify=True, capture="first_use")
 
 
 @pytest.mark.parametrize("make_tower", [tiny_vit, tiny_resnet])

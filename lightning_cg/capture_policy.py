@@ -1,0 +1,194 @@
+"""When a key is worth a graph: capture only what its replays are expected to repay.
+
+A capture costs a few eager runs of the key (two warm-up forwards, the
+recorded one, the synchronisation); each replay saves the difference between
+the key's eager time and its graph time. :class:`CapturePolicy` captures a key
+once it has been seen ``min_sightings`` times and
+
+    expected further sightings x estimated gain per sighting >= estimated capture cost
+
+where the expected sightings are the key's share of its path's sub-batches so
+far times the sub-batches still expected in the run (when the caller knows how
+many calls the run has; otherwise as many again as so far), the gain is the
+key's measured eager time times one minus the graph/eager ratio measured on the
+nearest-sized captured key of its path, and the capture cost is its eager time
+times the capture/eager ratio measured so far. Before anything is measured,
+:data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
+
+After capture a key's replays are timed too; a graph measured slower than the
+key's eager runs sends the key back to eager. Timings come from the caller
+(CUDA events or a clock): this module is pure Python.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+#: Graph time / eager time assumed for a path none of whose keys is measured.
+PRIOR_GRAPH_RATIO = 0.5
+#: Capture time / eager time assumed before a capture of the path is measured:
+#: two warm-up forwards, the recorded one, graph instantiation and a sync.
+PRIOR_CAPTURE_RATIO = 5.0
+#: Timings kept per key and kind; the median of them is used.
+SAMPLES = 3
+
+#: Decisions of :meth:`CapturePolicy.decide`.
+CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
+
+
+@dataclass
+class _KeyRecord:
+    path: str
+    size: int
+    sightings: int = 0
+    eager_seconds: list[float] = field(default_factory=list)
+    graph_seconds: list[float] = field(default_factory=list)
+    capture_seconds: float | None = None
+
+    @property
+    def eager(self) -> float | None:
+        return statistics.median(self.eager_seconds) if self.eager_seconds else None
+
+    @property
+    def graph(self) -> float | None:
+        return statistics.median(self.graph_seconds) if self.graph_seconds else None
+
+
+class CapturePolicy:
+    """Decides per key whether to capture it now, from sightings and measured times.
+
+    Args:
+        first_use: capture every key at its first sighting (``capture="first_use"``).
+        min_sightings: sightings before a key may be captured.
+        drop_slower_graphs: :meth:`slower_than_eager` may send a key back to eager.
+
+    Example:
+        >>> policy = CapturePolicy(min_sightings=2)
+        >>> policy.begin_run(expected_calls=100)
+        >>> policy.sighted("k", path="local", size=256)
+        >>> policy.decide("k")
+        'wait'
+    """
+
+    def __init__(
+        self, first_use: bool = False, min_sightings: int = 2, drop_slower_graphs: bool = True
+    ) -> None:
+        self.first_use = first_use
+        self.min_sightings = min_sightings
+        self.drop_slower_graphs = drop_slower_graphs
+        self._keys: dict[Hashable, _KeyRecord] = {}
+        self._path_sub_batches: dict[str, int] = {}
+        self._calls = 0
+        self._run_calls = 0
+        self._expected_calls: int | None = None
+
+    # ----------------------------------------------------------- observations
+
+    def begin_run(self, expected_calls: int | None) -> None:
+        """A run starts that will call the tower about ``expected_calls`` times (None: unknown)."""
+        self._expected_calls = expected_calls
+        self._run_calls = 0
+
+    def called(self) -> None:
+        """The tower was called once."""
+        self._calls += 1
+        self._run_calls += 1
+
+    def sighted(self, key: Hashable, path: str, size: int) -> None:
+        """A sub-batch of ``path`` needs ``key`` (a graph of ``size`` tokens)."""
+        record = self._keys.setdefault(key, _KeyRecord(path, size))
+        record.sightings += 1
+        self._path_sub_batches[path] = self._path_sub_batches.get(path, 0) + 1
+
+    def wants_eager_timing(self, key: Hashable) -> bool:
+        """Whether an eager run of ``key`` should be timed."""
+        record = self._keys.get(key)
+        return record is not None and len(record.eager_seconds) < SAMPLES
+
+    def wants_graph_timing(self, key: Hashable) -> bool:
+        """Whether a replay of ``key`` should be timed."""
+        record = self._keys.get(key)
+        return record is not None and len(record.graph_seconds) < SAMPLES
+
+    def record_eager(self, key: Hashable, seconds: float) -> None:
+        """One eager run of ``key`` took ``seconds``."""
+        self._keys[key].eager_seconds.append(seconds)
+
+    def record_replay(self, key: Hashable, seconds: float) -> None:
+        """One replay of ``key``'s graph took ``seconds``."""
+        self._keys[key].graph_seconds.append(seconds)
+
+    def record_capture(self, key: Hashable, seconds: float) -> None:
+        """Capturing ``key`` took ``seconds``."""
+        self._keys[key].capture_seconds = seconds
+
+    def forget_graphs(self) -> None:
+        """The graphs are gone (recaptured later): keep sightings and eager times only."""
+        for record in self._keys.values():
+            record.graph_seconds.clear()
+            record.capture_seconds = None
+
+    # -------------------------------------------------------------- decisions
+
+    def decide(self, key: Hashable) -> str:
+        """:data:`CAPTURE` now, :data:`WAIT` (not yet repaid) or :data:`NO_GAIN`."""
+        if self.first_use:
+            return CAPTURE
+        record = self._keys[key]
+        if record.sightings < self.min_sightings or record.eager is None:
+            return WAIT
+        gain = record.eager * (1.0 - self._graph_ratio(record))
+        if gain <= 0:
+            return NO_GAIN
+        cost = record.eager * self._capture_ratio(record.path)
+        return CAPTURE if self._expected_sightings(record) * gain >= cost else WAIT
+
+    def slower_than_eager(self, key: Hashable) -> bool:
+        """Whether ``key``'s graph was measured slower than its eager runs."""
+        record = self._keys.get(key)
+        if not self.drop_slower_graphs or record is None or record.eager is None:
+            return False
+        return len(record.graph_seconds) >= SAMPLES and record.graph > record.eager
+
+    def estimates(self, key: Hashable) -> dict[str, float | None]:
+        """What :meth:`decide` weighs for ``key`` (seconds), for logs and tests."""
+        record = self._keys[key]
+        return {
+            "sightings": record.sightings,
+            "eager_s": record.eager,
+            "graph_s": record.graph,
+            "graph_ratio": self._graph_ratio(record),
+            "capture_ratio": self._capture_ratio(record.path),
+            "expected_sightings": self._expected_sightings(record),
+        }
+
+    def _expected_sightings(self, record: _KeyRecord) -> float:
+        path_sub_batches = self._path_sub_batches[record.path]
+        share = record.sightings / path_sub_batches
+        if self._expected_calls is None:
+            # Nothing known of the future: expect as many sub-batches again.
+            return share * path_sub_batches
+        sub_batches_per_call = path_sub_batches / max(self._calls, 1)
+        remaining_calls = max(self._expected_calls - self._run_calls, 0)
+        return share * sub_batches_per_call * remaining_calls
+
+    def _graph_ratio(self, record: _KeyRecord) -> float:
+        """Graph / eager time of the measured key of the path nearest in size."""
+        measured = [
+            (abs(other.size - record.size), other.graph / other.eager)
+            for other in self._keys.values()
+            if other.path == record.path and other.graph is not None and other.eager
+        ]
+        if record.graph is not None and record.eager:
+            return record.graph / record.eager
+        return min(measured)[1] if measured else PRIOR_GRAPH_RATIO
+
+    def _capture_ratio(self, path: str) -> float:
+        ratios = [
+            other.capture_seconds / other.eager
+            for other in self._keys.values()
+            if other.path == path and other.capture_seconds is not None and other.eager
+        ]
+        return statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO

@@ -1,0 +1,186 @@
+"""CapturePolicy: which keys are captured when, from injected timings, and through the manager."""
+
+import time
+
+import pytest
+import torch
+from toy_encoder import ToyEncoder, ToyTower
+
+from lightning_cg.capture_policy import (
+    CAPTURE,
+    NO_GAIN,
+    PRIOR_CAPTURE_RATIO,
+    PRIOR_GRAPH_RATIO,
+    SAMPLES,
+    WAIT,
+    CapturePolicy,
+)
+from lightning_cg.manager import EncoderGraphManager
+
+
+def see(policy: CapturePolicy, key: str, eager_s: float | None = None, size: int = 64) -> str:
+    """One call whose only sub-batch needs ``key``; returns the policy's decision."""
+    policy.called()
+    policy.sighted(key, path="local", size=size)
+    if eager_s is not None and policy.wants_eager_timing(key):
+        policy.record_eager(key, eager_s)
+    return policy.decide(key)
+
+
+def test_first_use_captures_at_the_first_sighting():
+    policy = CapturePolicy(first_use=True)
+    policy.begin_run(expected_calls=None)
+    assert see(policy, "a") == CAPTURE
+
+
+def test_a_key_waits_for_min_sightings_and_a_timing():
+    policy = CapturePolicy(min_sightings=2)
+    policy.begin_run(expected_calls=1000)
+    assert see(policy, "a", eager_s=0.01) == WAIT  # seen once
+    assert see(policy, "a") == CAPTURE  # seen twice, ample calls left
+    untimed = CapturePolicy(min_sightings=1)
+    untimed.begin_run(expected_calls=1000)
+    assert see(untimed, "b") == WAIT  # no eager time measured yet
+
+
+def test_a_short_run_does_not_capture_what_it_cannot_repay():
+    # Prior: capture costs 5 eager runs, a replay saves half an eager run, so a
+    # capture pays after 10 replays.
+    assert PRIOR_CAPTURE_RATIO / (1 - PRIOR_GRAPH_RATIO) == 10
+    short = CapturePolicy(min_sightings=2)
+    short.begin_run(expected_calls=8)
+    decisions = [see(short, "a", eager_s=0.01) for _ in range(8)]
+    assert CAPTURE not in decisions
+    long = CapturePolicy(min_sightings=2)
+    long.begin_run(expected_calls=13)
+    decisions = [see(long, "a", eager_s=0.01) for _ in range(3)]
+    # Second sighting: 11 calls left x 0.005 s saved >= 0.05 s capture.
+    assert decisions == [WAIT, CAPTURE, CAPTURE]
+
+
+def test_without_a_horizon_a_key_is_captured_once_its_past_would_have_repaid_it():
+    policy = CapturePolicy(min_sightings=2)
+    policy.begin_run(expected_calls=None)
+    decisions = [see(policy, "a", eager_s=0.01) for _ in range(10)]
+    # As many sightings again as so far: 10 x 0.005 s >= 0.05 s at the tenth.
+    assert decisions.index(CAPTURE) == 9
+
+
+def test_a_rare_key_among_frequent_ones_waits():
+    policy = CapturePolicy(min_sightings=2)
+    policy.begin_run(expected_calls=40)
+    for call in range(20):
+        policy.called()
+        policy.sighted("common", "local", 64)
+        if call % 10 == 0:
+            policy.sighted("rare", "local", 64)
+        for key in ("common", "rare"):
+            if policy.wants_eager_timing(key):
+                policy.record_eager(key, 0.01)
+    # common: 20 calls left x 1 per call x 0.005 s = 0.1 s >= 0.05 s
+    assert policy.decide("common") == CAPTURE
+    # rare: 2 of 22 sub-batches: about 2 further sightings x 0.005 s < 0.05 s
+    assert policy.decide("rare") == WAIT
+
+
+def test_measured_graph_and_capture_times_replace_the_priors():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=100)
+    see(policy, "small", eager_s=0.010, size=64)
+    policy.record_capture("small", 0.020)  # 2 eager runs, not 5
+    for _ in range(SAMPLES):
+        policy.record_replay("small", 0.0095)  # the graph saves only 5%
+    see(policy, "large", eager_s=0.010, size=128)
+    estimates = policy.estimates("large")
+    assert estimates["graph_ratio"] == pytest.approx(0.95)
+    assert estimates["capture_ratio"] == pytest.approx(2.0)
+
+
+def test_no_gain_when_graphs_of_the_path_are_slower():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=100)
+    see(policy, "a", eager_s=0.010, size=64)
+    for _ in range(SAMPLES):
+        policy.record_replay("a", 0.012)
+    assert see(policy, "b", eager_s=0.010, size=64) == NO_GAIN
+
+
+def test_slower_than_eager_needs_enough_replays_and_can_be_turned_off():
+    for drop, expected in ((True, True), (False, False)):
+        policy = CapturePolicy(min_sightings=1, drop_slower_graphs=drop)
+        policy.begin_run(expected_calls=100)
+        see(policy, "a", eager_s=0.010)
+        for _ in range(SAMPLES):
+            assert not policy.slower_than_eager("a")  # too few replays timed
+            policy.record_replay("a", 0.011)
+        assert policy.slower_than_eager("a") is expected
+
+
+def test_forget_graphs_keeps_sightings_and_eager_times():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=100)
+    see(policy, "a", eager_s=0.010)
+    for _ in range(SAMPLES):
+        policy.record_replay("a", 0.02)
+    policy.forget_graphs()
+    estimates = policy.estimates("a")
+    assert estimates["graph_s"] is None and estimates["eager_s"] == 0.010
+    assert estimates["sightings"] == 1 and not policy.slower_than_eager("a")
+
+
+# ----------------------------------------------------------- through the manager
+
+
+def toy_manager(**options) -> tuple:
+    torch.manual_seed(0)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), budgets={"budgets": [16, 64]}, **options)
+    tokens, lengths = torch.randn(12, 8), torch.tensor([5, 7])
+    inputs = manager.encoder.inputs_from_call((tokens, lengths), {})
+    return tower, manager, inputs, tower(tokens, lengths).detach()
+
+
+def run_calls(manager, inputs, calls: int) -> list:
+    with torch.no_grad():
+        return [manager.execute(inputs) for _ in range(calls)]
+
+
+def test_manager_captures_a_recurring_key_once_the_run_can_repay_it():
+    _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
+    manager.begin_run(expected_calls=100)
+    outputs = run_calls(manager, inputs, 5)
+    # Call 1 eager (seen once); call 2 captures (98 calls left x half an eager
+    # run >= 5 eager runs) and replays from then on.
+    assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 4)
+    assert len(manager.cache) == 1
+    for output in outputs:
+        torch.testing.assert_close(output, expected)
+
+
+def test_manager_leaves_a_short_run_eager_and_captures_in_a_later_longer_one():
+    _, manager, inputs, _ = toy_manager(drop_slower_graphs=False)
+    manager.begin_run(expected_calls=10)
+    run_calls(manager, inputs, 10)
+    assert manager.stats.hits == 0 and manager.stats.eager_no_graph_yet == 10
+    assert not manager.is_captured()
+    manager.begin_run(expected_calls=100)
+    run_calls(manager, inputs, 3)
+    assert manager.stats.eager_no_graph_yet == 0 and manager.stats.hits == 3
+
+
+def test_manager_sends_a_key_whose_graph_is_slower_back_to_eager():
+
+    from toy_encoder import ToyEncoder
+
+    class SlowGraph(ToyEncoder):
+        def graph_forward(self, path, buffers):
+            time.sleep(0.02)
+            return super().graph_forward(path, buffers)
+
+    tower, manager, inputs, expected = toy_manager()
+    manager = type(manager)(SlowGraph(tower), budgets={"budgets": [16, 64]})
+    manager.begin_run(expected_calls=1000)
+    for output in run_calls(manager, inputs, 1 + SAMPLES + 2):
+        torch.testing.assert_close(output, expected)
+    stats = manager.stats
+    assert (stats.eager_no_graph_yet, stats.hits, stats.eager_measured_slower) == (1, SAMPLES, 2)
