@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(PY) scripts/predict.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_cg tests scripts
+	$(VENV)/bin/ruff check lightning_cg bench tests scripts
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -2,21 +2,19 @@
 
     python scripts/bench.py quick=true workloads=[vit_b_16]
 
-Every field is explained in conf/bench.yaml; the logic is in lightning_cg/bench.py.
+Every field is explained in conf/bench.yaml; the logic is in the bench/ package.
 """
 
 import sys
 from pathlib import Path
 
-try:
-    import lightning_cg  # noqa: F401
-except ImportError:  # a checkout that is not pip-installed: import it from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_cg.bench import main as run_bench
+# bench/ is never installed, and this file's name would shadow it: the repo root comes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.main import main as run_bench  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")

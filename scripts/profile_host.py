@@ -26,31 +26,25 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-try:
-    import lightning_cg  # noqa: F401
-except ImportError:  # a checkout that is not pip-installed: import it from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_cg.bench import (
+# bench/ is never installed, and scripts/bench.py would shadow it: the repo root comes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.methods import Runner, compile_method, exact_method, graph_method  # noqa: E402
+from bench.settings import BenchSettings, resolve_settings  # noqa: E402
+from bench.workloads import (  # noqa: E402
     STREAM,
-    BenchSettings,
-    Runner,
     Workload,
     build_tower,
-    compile_method,
-    exact_method,
-    graph_method,
-    resolve_settings,
     stream_workload,
     tower_workloads,
 )
-from lightning_cg.measured import time_ms
+from lightning_cg.measured import time_ms  # noqa: E402
 
 ROWS = 25
 AGAINST = {"exact": exact_method, "compile": compile_method}

@@ -1,0 +1,205 @@
+"""The benchmark's methods: the ways to run a tower on a workload, one :class:`Runner` each.
+
+A new method is one function ``(tower, workload, settings) -> Runner`` added to
+:data:`METHODS`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from bench.workloads import Workload
+from lightning_cg.adapters import adapter_for
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
+
+if TYPE_CHECKING:  # bench.settings imports this module to check method names
+    from bench.settings import BenchSettings
+
+GRAPH_METHOD = "lightning-cg"
+
+
+@dataclass
+class Runner:
+    """One method set up on one workload.
+
+    Attributes:
+        step: runs batch ``index`` of the workload.
+        capture_s: seconds the set-up spent capturing graphs.
+        pool_bytes: memory the set-up's graphs reserved.
+        manager: the graph manager of ``lightning-cg`` rows; its stats fill the
+            capture, pool, padding and hit-rate columns.
+        setup_in_first_pass: the method compiles and records inside its first
+            pass (torch.compile); ``capture_s`` is then the first pass minus a
+            steady pass, ``pool_bytes`` the memory reserved by the first pass.
+        close: called once timing is over, e.g. to drop compiled code.
+        note: said in the row.
+    """
+
+    step: Callable[[int], object]
+    capture_s: float | None = None
+    pool_bytes: int | None = None
+    manager: EncoderGraphManager | None = None
+    setup_in_first_pass: bool = False
+    close: Callable[[], None] | None = None
+    note: str = ""
+
+
+MethodFn = Callable[[nn.Module, Workload, "BenchSettings"], Runner]
+
+
+def eager_method(tower: nn.Module, workload: Workload, settings: BenchSettings) -> Runner:
+    """The tower as it is."""
+    return Runner(step=lambda index: tower(*workload.batches[index]))
+
+
+def graph_method(
+    tower: nn.Module, workload: Workload, settings: BenchSettings, mode: str = "full"
+) -> Runner:
+    """Through :class:`EncoderGraphManager` on ``adapter_for(tower)``; captures lazily.
+
+    An ``auto`` ladder is learned from the item sizes of every batch of the
+    workload, read without running the tower, as a dataset's sizes would be.
+    """
+    manager = EncoderGraphManager(adapter_for(tower), mode=mode, **manager_kwargs(settings.manager))
+    encoder = manager.encoder
+    manager.learn_budgets(
+        [
+            [spec.path_tokens for spec in encoder.item_specs(encoder.inputs_from_call(batch, {}))]
+            for batch in workload.batches
+        ]
+    )
+
+    def step(index: int) -> object:
+        return manager.execute(encoder.inputs_from_call(workload.batches[index], {}))
+
+    return Runner(step=step, manager=manager)
+
+
+def exact_method(tower: nn.Module, workload: Workload, settings: BenchSettings) -> Runner:
+    """One CUDA graph per batch and path, captured on exactly the batch's rows."""
+    encoder = adapter_for(tower)
+    pool = torch.cuda.graph_pool_handle()
+    reserved_before = torch.cuda.memory_reserved()
+    started = time.perf_counter()
+    # Per batch: (graph, buffers, output). A graph reads its inputs and writes its
+    # output by address, so both must live as long as it does.
+    graphs: list[list[tuple[torch.cuda.CUDAGraph, dict, object]]] = []
+    for batch in workload.batches:
+        inputs = encoder.inputs_from_call(batch, {})
+        specs = encoder.item_specs(inputs)
+        batch_graphs = []
+        for path in encoder.graph_config().paths:
+            if sum(spec.path_tokens.get(path, 0) for spec in specs):
+                # Metadata may come on the host; the graph reads it on the device.
+                buffers = {
+                    name: rows.to(settings.device)
+                    for name, rows in encoder.replay_inputs(path, inputs).items()
+                }
+                graph, output = _capture(partial(encoder.graph_forward, path, buffers), pool)
+                batch_graphs.append((graph, buffers, output))
+        graphs.append(batch_graphs)
+    torch.cuda.synchronize()
+
+    def step(index: int) -> None:
+        for graph, _, _ in graphs[index]:
+            graph.replay()
+
+    return Runner(
+        step=step,
+        capture_s=time.perf_counter() - started,
+        pool_bytes=max(0, torch.cuda.memory_reserved() - reserved_before),
+    )
+
+
+def compile_method(tower: nn.Module, workload: Workload, settings: BenchSettings) -> Runner:
+    """``torch.compile(tower, mode="reduce-overhead")``, compiled afresh for this workload."""
+    torch._dynamo.reset()
+    compiled = torch.compile(tower, mode="reduce-overhead")
+
+    def step(index: int) -> object:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*workload.batches[index])
+
+    note = "capture_s: first pass minus a steady pass (compilation and recording)"
+    return Runner(step=step, setup_in_first_pass=True, close=torch._dynamo.reset, note=note)
+
+
+def _capture(run: Callable[[], object], pool: Any) -> tuple[torch.cuda.CUDAGraph, object]:
+    # Warm up on a side stream so lazy initialisation stays out of the graph.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
+
+
+@dataclass(frozen=True)
+class Method:
+    """A row label and how to set it up."""
+
+    name: str
+    build: MethodFn
+    family: str  # the name ``methods`` and ``skip_methods`` use (``lightning-cg`` for every mode)
+    needs_cuda: bool = False
+
+
+#: Methods by config name; ``lightning-cg`` expands to one row per mode.
+METHODS: dict[str, Method] = {
+    "eager": Method("eager", eager_method, "eager"),
+    "exact": Method("exact", exact_method, "exact", needs_cuda=True),
+    "compile": Method("compile", compile_method, "compile", needs_cuda=True),
+}
+
+
+def expand_methods(settings: BenchSettings) -> list[Method]:
+    """The configured methods as rows, ``eager`` first (every ratio needs it)."""
+    methods = []
+    for name in sorted(settings.methods, key=lambda name: name != "eager"):
+        if name == GRAPH_METHOD:
+            methods += [
+                Method(f"{GRAPH_METHOD}/{mode}", partial(graph_method, mode=mode), name)
+                for mode in settings.modes
+            ]
+        else:
+            methods.append(METHODS[name])
+    return methods
+
+
+def manager_kwargs(manager: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``manager`` settings as keyword arguments of :class:`EncoderGraphManager`.
+
+    ``budgets`` becomes a :class:`BudgetConfig`; each of ``path_budgets`` one too,
+    its fields over those of ``budgets``.
+
+    Raises:
+        ValueError: a budget field is unknown; the message names it.
+    """
+    kwargs = dict(manager)
+    try:
+        kwargs["budgets"] = BudgetConfig(**_budget_dict(kwargs.get("budgets")))
+        kwargs["path_budgets"] = {
+            path: BudgetConfig(**_budget_dict({**(manager.get("budgets") or {}), **choice}))
+            for path, choice in (kwargs.get("path_budgets") or {}).items()
+        }
+    except TypeError as error:
+        raise ValueError(f"manager.budgets / manager.path_budgets: {error}") from None
+    return kwargs
+
+
+def _budget_dict(choice: Mapping[str, Any] | None) -> dict[str, Any]:
+    choice = dict(choice or {})
+    if choice.get("budgets") is not None:
+        choice["budgets"] = [int(budget) for budget in choice["budgets"]]
+    return choice

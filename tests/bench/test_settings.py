@@ -1,0 +1,21 @@
+"""bench.settings: a bad field of conf/bench.yaml is named in the error."""
+
+import pytest
+
+from bench.settings import resolve_settings
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("workloads=[vit_b_32]", "workloads"),
+        ("methods=[eager,tensorrt]", "methods"),
+        ("modes=[fastest]", "graph mode"),
+        ("dtype=int8", "dtype"),
+        ("stream.tower=stream", "stream.tower"),
+        ("+manager.budgets.smallest=4", "manager.budgets"),
+    ],
+)
+def test_bad_settings_name_the_field(bench_config, override, field):
+    with pytest.raises(ValueError, match=field):
+        resolve_settings(bench_config(["device=cpu", override]))
