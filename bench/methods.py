@@ -17,7 +17,8 @@ from torch import nn
 
 from bench.workloads import Workload
 from lightning_cg.adapters import adapter_for
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager
+from lightning_cg.config import GraphConfig
+from lightning_cg.manager import EncoderGraphManager
 
 if TYPE_CHECKING:  # bench.settings imports this module to check method names
     from bench.settings import BenchSettings
@@ -67,7 +68,7 @@ def graph_method(
     An ``auto`` ladder is learned from the item sizes of every batch of the
     workload, read without running the tower, as a dataset's sizes would be.
     """
-    manager = EncoderGraphManager(adapter_for(tower), mode=mode, **manager_kwargs(settings.manager))
+    manager = EncoderGraphManager(adapter_for(tower), graph_config(settings.manager, mode))
     encoder = manager.encoder
     manager.learn_budgets(
         [
@@ -75,6 +76,11 @@ def graph_method(
             for batch in workload.batches
         ]
     )
+    # The capture policy weighs a capture against the calls the measurement makes.
+    passes = 1 + settings.warmup + settings.repeats
+    if workload.stream:
+        passes = 1 + settings.stream["warmup"] + settings.stream["repeats"]
+    manager.begin_run(expected_calls=passes * len(workload.batches))
 
     def step(index: int) -> object:
         return manager.execute(encoder.inputs_from_call(workload.batches[index], {}))
@@ -177,29 +183,12 @@ def expand_methods(settings: BenchSettings) -> list[Method]:
     return methods
 
 
-def manager_kwargs(manager: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``manager`` settings as keyword arguments of :class:`EncoderGraphManager`.
-
-    ``budgets`` becomes a :class:`BudgetConfig`; each of ``path_budgets`` one too,
-    its fields over those of ``budgets``.
+def graph_config(manager: Mapping[str, Any], mode: str) -> GraphConfig:
+    """The ``manager`` settings, in ``mode``, as one checked :class:`GraphConfig`.
 
     Raises:
-        ValueError: a budget field is unknown; the message names it.
+        ValueError: a field is unknown or bad; the message names it.
     """
-    kwargs = dict(manager)
-    try:
-        kwargs["budgets"] = BudgetConfig(**_budget_dict(kwargs.get("budgets")))
-        kwargs["path_budgets"] = {
-            path: BudgetConfig(**_budget_dict({**(manager.get("budgets") or {}), **choice}))
-            for path, choice in (kwargs.get("path_budgets") or {}).items()
-        }
-    except TypeError as error:
-        raise ValueError(f"manager.budgets / manager.path_budgets: {error}") from None
-    return kwargs
+    return GraphConfig.from_options(**{**manager, "mode": mode})
 
 
-def _budget_dict(choice: Mapping[str, Any] | None) -> dict[str, Any]:
-    choice = dict(choice or {})
-    if choice.get("budgets") is not None:
-        choice["budgets"] = [int(budget) for budget in choice["budgets"]]
-    return choice

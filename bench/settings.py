@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bench.methods import GRAPH_METHOD, METHODS, manager_kwargs
+from bench.methods import GRAPH_METHOD, METHODS, graph_config
 from bench.workloads import BATCHED_TOWERS, PACKED_TOWERS, SCENARIOS, WORKLOADS
 from lightning_cg.dispatcher import GraphMode
 
@@ -120,7 +120,7 @@ def _check(settings: BenchSettings) -> None:
             "stream.shapes, stream.repeats and stream.max_images must be >= 1; got "
             f"{stream['shapes']}, {stream['repeats']}, {stream['max_images']}"
         )
-    manager_kwargs(settings.manager)
+    graph_config(settings.manager, "full")
 
 
 def _check_names(field_name: str, names: Sequence[str], allowed: Sequence[str]) -> None:

@@ -323,7 +323,7 @@ def test_bad_configuration_names_the_field():
     tower = ToyTower()
     with pytest.raises(ValueError, match="packing"):
         manager_for(tower, packing="best")
-    with pytest.raises(ValueError, match="path_budgets"):
+    with pytest.raises(ValueError, match="paths names unknown"):
         manager_for(tower, paths={"nope": BudgetConfig()})
     with pytest.raises(ValueError, match="max_frames_per_batch"):
         manager_for(tower, max_frames_per_batch=0)
