@@ -339,12 +339,18 @@ class CUDAGraphCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         stats = self.last_stats
-        rank_zero_info(
-            f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
-            f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
-            f"padding waste {stats['padding_waste']:.1%}, "
-            f"{stats['graphs']:.0f} graphs captured in {stats['capture_seconds']:.2f} s"
-        )
+        if not next(self._tower.parameters(), torch.empty(0)).is_cuda:
+            rank_zero_info(
+                f"CUDAGraphCallback ({stage}): {stats['sub_batches']:.0f} sub-batches ran the "
+                f"CPU path (no CUDA graphs), padding waste {stats['padding_waste']:.1%}"
+            )
+        else:
+            rank_zero_info(
+                f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
+                f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
+                f"padding waste {stats['padding_waste']:.1%}, "
+                f"{stats['graphs']:.0f} graphs captured in {stats['capture_seconds']:.2f} s"
+            )
         if not self.keep_graphs:
             self.manager.clear()
             self._fingerprint = None
