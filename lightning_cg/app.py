@@ -7,7 +7,6 @@ around :func:`run`; tests call it with composed configs.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
@@ -20,27 +19,11 @@ from rich.table import Table
 from torch import nn
 
 from lightning_cg.callback import CUDAGraphCallback, resolve_module
+from lightning_cg.last_stats import RUN_CAPTURE_KEYS, run_capture
 
 STAGES = ("predict", "validate", "fit")
 #: Passes over the data on a GPU when ``passes`` is null: enough for the steady state.
 GPU_PASSES = 5
-#: ``last_stats`` keys of one run's capture: graphs captured and seconds spent in it.
-RUN_CAPTURE_KEYS = ("graphs_captured", "capture_seconds_run")
-#: What callbacks without per-run keys report: graphs held, capture seconds since built.
-HELD_CAPTURE_KEYS = ("graphs", "capture_seconds")
-
-
-def run_capture(stats: Mapping[str, float]) -> tuple[int, float, str]:
-    """Graphs captured and capture seconds of the run ``stats`` (``last_stats``) describe.
-
-    Reads :data:`RUN_CAPTURE_KEYS`, or :data:`HELD_CAPTURE_KEYS` where they are
-    missing; the third value names the keys read, ``graphs/capture_seconds``
-    meaning held totals rather than this run's.
-    """
-    for keys in (RUN_CAPTURE_KEYS, HELD_CAPTURE_KEYS):
-        if all(key in stats for key in keys):
-            return int(stats[keys[0]]), stats[keys[1]], "/".join(keys)
-    return 0, 0.0, "none"
 
 
 @dataclass

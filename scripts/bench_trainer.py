@@ -18,6 +18,7 @@ with a validation loop each epoch and sum the validation tower seconds.
 Rows are merged into ``--output`` (default benchmarks/h200-trainer.json) after
 each workload, so runs split over several invocations add up to one file; a
 later invocation replaces the methods it ran in rows it shares with the file.
+``--from-json a.json b.json`` merges row files the same way and runs nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ else:
 
 import torch  # noqa: E402
 
+from bench.trainer.rows import merge_rows, read_rows, write_json  # noqa: E402
 from bench.trainer.runs import COMPILE, METHODS, TrainerSettings  # noqa: E402
 from bench.trainer.suite import BenchSettings, run_benchmark  # noqa: E402
 from bench.trainer.workloads import (  # noqa: E402
@@ -108,6 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "h200-trainer.json")
     parser.add_argument(
+        "--from-json",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="merge the rows of these files into --output and run nothing",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="start --output anew instead of merging into its rows",
@@ -154,7 +163,15 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    settings = resolve_settings(parse_args(argv))
+    args = parse_args(argv)
+    if args.from_json:
+        rows = [] if args.overwrite else read_rows(args.output)
+        for path in args.from_json:
+            rows = merge_rows(rows, read_rows(path))
+        write_json(args.output, rows)
+        print(f"{len(rows)} rows in {args.output}")
+        return rows
+    settings = resolve_settings(args)
     rows = run_benchmark(settings)
     print(f"{len(rows)} rows merged into {settings.output}")
     return rows

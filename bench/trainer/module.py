@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_cg.app import run_capture
+from lightning_cg.last_stats import run_capture
 from lightning_cg.models.lit import embed_dim_of, pool_items
 from lightning_cg.models.packed_vit import tokens_per_item
 
@@ -87,7 +87,7 @@ class RunRecord:
         graphs_captured: graphs the callback captured (None without a callback).
         capture_s: seconds of capture (None without a callback).
         stats_keys: the ``last_stats`` keys the two came from (see
-            :func:`lightning_cg.app.run_capture`).
+            :func:`lightning_cg.last_stats.run_capture`).
         stats: the callback's ``last_stats`` after the run.
     """
 

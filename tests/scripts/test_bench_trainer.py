@@ -72,6 +72,13 @@ def test_smoke_run_writes_one_row_per_workload_length_and_run(tmp_path):
     assert fit["callback_tower_s"] == pytest.approx(sum(fit["callback_epoch_tower_s"]))
     assert "vit_b_16/batch_1 2 batches, first run" in result.stdout
 
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps([{**rows[0], "compile_tower_s": 1.0}]))
+    result = bench_trainer(f"--from-json={output}", f"--output={merged}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged_rows = json.loads(merged.read_text())
+    assert merged_rows[1:] == rows[1:] and merged_rows[0]["compile_tower_s"] == 1.0
+
 
 def test_callback_outputs_equal_eager_outputs_on_mixed_sizes():
     workload = Workload.parse("packed_vit_small/mixed_batch_8")
