@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.from_json:
         rows = [] if args.overwrite else read_rows(args.output)
-        for path in args.from_json:
-            rows = merge_rows(rows, read_rows(path))
+        # Run metadata lie beside the rows; a shell glob picks them up too.
+        for path in [path for path in args.from_json if not path.name.endswith(".meta.json")]:
+            rows = merge_rows(rows, read_rows(path, check=True))
         write_json(args.output, rows)
         print(f"{len(rows)} rows in {args.output}")
         return rows

@@ -189,9 +189,18 @@ def _row_id(row: Mapping[str, Any]) -> tuple:
     return tuple(row.get(key) for key in _ROW_ID)
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSON file, or none if it does not exist."""
-    return json.loads(path.read_text()) if path.exists() else []
+def read_rows(path: Path, check: bool = False) -> list[dict[str, Any]]:
+    """The rows of a JSON file, or none if it does not exist.
+
+    Raises:
+        ValueError: with ``check``, a row lacks one of :data:`ROW_KEYS`.
+    """
+    rows = json.loads(path.read_text()) if path.exists() else []
+    for row in rows if check else []:
+        missing = [key for key in ROW_KEYS if key not in row]
+        if missing:
+            raise ValueError(f"{path} holds a row without {missing}: {str(row)[:200]}")
+    return rows
 
 
 def write_json(path: Path, data: Any) -> None:

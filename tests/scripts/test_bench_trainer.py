@@ -74,7 +74,9 @@ def test_smoke_run_writes_one_row_per_workload_length_and_run(tmp_path):
 
     merged = tmp_path / "merged.json"
     merged.write_text(json.dumps([{**rows[0], "compile_tower_s": 1.0}]))
-    result = bench_trainer(f"--from-json={output}", f"--output={merged}")
+    meta = output.with_suffix(".meta.json")
+    assert json.loads(meta.read_text())[0]["methods"] == ["eager", "callback"]
+    result = bench_trainer("--from-json", str(output), str(meta), f"--output={merged}")
     assert result.returncode == 0, result.stderr[-3000:]
     merged_rows = json.loads(merged.read_text())
     assert merged_rows[1:] == rows[1:] and merged_rows[0]["compile_tower_s"] == 1.0
