@@ -81,7 +81,6 @@ def predict_runs(
         started = time.perf_counter()
         outputs = trainer.predict(module, dataloaders=batches.loader())
         runs[name] = PredictRun(clock.records[-1], time.perf_counter() - started, outputs)
-    release(method)
     return runs
 
 
@@ -110,7 +109,6 @@ def fit_runs(
     started = time.perf_counter()
     trainer.fit(module, train_batches.loader(), val_batches.loader())
     fit_s = time.perf_counter() - started
-    release(method)
     return clock.records, fit_s
 
 
@@ -131,7 +129,7 @@ def make_trainer(settings: TrainerSettings, callbacks: list[pl.Callback], **kwar
 
 
 def release(method: str) -> None:
-    """Free what a method leaves behind: compiled code and cached device memory."""
+    """Free what a method's finished runs leave behind: compiled code, graphs, cached memory."""
     if method == COMPILE:
         torch._dynamo.reset()
     gc.collect()

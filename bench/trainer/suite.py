@@ -29,6 +29,7 @@ from bench.trainer.runs import (
     TrainerSettings,
     fit_runs,
     predict_runs,
+    release,
 )
 from bench.trainer.workloads import Sizes, SyntheticBatches, Workload, make_tower
 
@@ -102,10 +103,12 @@ def _predict(
 ) -> list[dict[str, Any]]:
     batches = _batches(workload, tower, count, settings.seed, settings)
     warm_up(tower, batches, settings.trainer.device, settings.trainer.precision)
-    results = {
-        method: predict_runs(tower, batches, method, settings.trainer, settings.fresh_trainer)
-        for method in settings.methods
-    }
+    results = {}
+    for method in settings.methods:
+        results[method] = predict_runs(
+            tower, batches, method, settings.trainer, settings.fresh_trainer
+        )
+        release(method)
     return predict_rows(workload.name, count, batches.images(), results)
 
 
@@ -114,10 +117,10 @@ def _fit(workload: Workload, tower: nn.Module, settings: BenchSettings) -> dict[
     val = _batches(workload, tower, settings.fit_val_batches, settings.seed, settings)
     warm_up(tower, val, settings.trainer.device, settings.trainer.precision)
     methods = [method for method in settings.methods if method in (EAGER, CALLBACK)]
-    results = {
-        method: fit_runs(tower, train, val, method, settings.trainer, settings.fit_epochs)
-        for method in methods
-    }
+    results = {}
+    for method in methods:
+        results[method] = fit_runs(tower, train, val, method, settings.trainer, settings.fit_epochs)
+        release(method)
     return fit_row(workload.name, val.images(), settings.fit_epochs, len(val), results)
 
 
