@@ -24,6 +24,8 @@ from lightning_cg.last_stats import RUN_CAPTURE_KEYS, run_capture
 STAGES = ("predict", "validate", "fit")
 #: Passes over the data on a GPU when ``passes`` is null: enough for the steady state.
 GPU_PASSES = 5
+#: Passes the report shows one by one; more are summed up after the second.
+PASS_ROWS = 10
 
 
 @dataclass
@@ -279,17 +281,20 @@ def _pass_table(report: RunReport) -> Table:
         table.add_column(name, justify="right")
     if report.eager_passes is not None:
         table.add_column("vs eager", justify="right")
-    count = len(report.passes)
-    groups = [("1", slice(0, 1))]
-    if count > 1:
-        groups.append(("2" if count == 2 else f"2-{count}, mean", slice(1, count)))
-    for label, passes in groups:
+    for label, passes in _pass_groups(len(report.passes)):
         seconds = [_mean_tower_seconds(reports[passes]) for _, reports in columns]
         cells = [f"{value:.3f}" for value in seconds]
         if report.eager_passes is not None:
             cells.append(f"{seconds[0] / seconds[1]:.2f}x" if seconds[1] else "-")
         table.add_row(label, *cells)
     return table
+
+
+def _pass_groups(count: int) -> list[tuple[str, slice]]:
+    """Rows of the pass table: every pass, or passes 1, 2 and the mean of the rest."""
+    if count <= PASS_ROWS:
+        return [(f"{index + 1}", slice(index, index + 1)) for index in range(count)]
+    return [("1", slice(0, 1)), ("2", slice(1, 2)), (f"3-{count}, mean", slice(2, count))]
 
 
 def _mean_tower_seconds(passes: list[PassReport]) -> float:
