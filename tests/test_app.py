@@ -188,3 +188,13 @@ def test_many_passes_show_the_first_two_then_the_mean():
         ["2", "0.500", "0.700", "0.71x"],
         ["3-12, mean", "0.500", "0.500", "1.00x"],
     ]
+
+
+@pytest.mark.cuda
+def test_the_gpu_demo_runs_passes_against_eager():
+    report = run(compose_config("predict", TINY_TOWER + SMALL_DATA + ["trainer=gpu"]), "predict")
+    assert len(report.passes) == len(report.eager_passes) == 5
+    assert all(times.tower_seconds > 0 for times in report.passes + report.eager_passes)
+    assert report.max_abs_difference < 0.1  # bf16
+    text = printed(report)
+    assert "vs eager" in text and "capture:" in text and "CPU path" not in text
