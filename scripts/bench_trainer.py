@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workloads",
         nargs="+",
         default=[*PREDICT_WORKLOADS, *FIT_WORKLOADS],
-        help="[fit/]<tower>/batch_<n> or [fit/]<tower>/mixed_batch_<n> (default: all)",
+        help="[fit/]<tower>/batch_<n> or [fit/]<tower>/mixed_batch_<n>; default: "
+        + " ".join([*PREDICT_WORKLOADS, *FIT_WORKLOADS]),
     )
     parser.add_argument(
         "--batches",
