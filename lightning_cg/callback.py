@@ -349,13 +349,19 @@ class CUDAGraphCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         stats = self.last_stats
-        rank_zero_info(
-            f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
-            f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
-            f"padding waste {stats['padding_waste']:.1%}, "
-            f"{stats['graphs_captured']:.0f} graphs captured in "
-            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)"
-        )
+        if not next(self._tower.parameters(), torch.empty(0)).is_cuda:
+            rank_zero_info(
+                f"CUDAGraphCallback ({stage}): {stats['sub_batches']:.0f} sub-batches ran the "
+                f"CPU path (no CUDA graphs), padding waste {stats['padding_waste']:.1%}"
+            )
+        else:
+            rank_zero_info(
+                f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
+                f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
+                f"padding waste {stats['padding_waste']:.1%}, "
+                f"{stats['graphs_captured']:.0f} graphs captured in "
+                f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)"
+            )
         if not self.keep_graphs:
             self.manager.clear()
             self._binding = None

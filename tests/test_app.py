@@ -7,8 +7,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from rich.console import Console
 
-from lightning_cg.app import run
+from lightning_cg.app import PassReport, RunReport, print_report, run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -62,12 +63,87 @@ def test_every_mode_config_instantiates_a_callback(option):
     assert callback.mode.name.lower() == option
 
 
+def printed(report: RunReport) -> str:
+    console = Console(record=True, width=200)
+    print_report(report, console=console)
+    return console.export_text()
+
+
 def test_predict_app_compares_with_eager():
     cfg = compose_config("predict", TINY_TOWER + SMALL_DATA + ["compare_eager=true", "trainer=cpu"])
     report = run(cfg, "predict")
     assert report.stats["items"] == 6 and report.stats["hits"] > 0
     assert report.max_abs_difference < 1e-4
     assert len(torch.cat(report.outputs)) == 6
+
+
+def test_passes_time_the_tower_of_each_run_with_and_without_the_callback():
+    overrides = ["compare_eager=true", "trainer=cpu", "passes=3"]
+    report = run(compose_config("predict", TINY_TOWER + SMALL_DATA + overrides), "predict")
+    assert len(report.passes) == len(report.eager_passes) == 3
+    assert len(torch.cat(report.outputs)) == 3 * 6 and report.max_abs_difference < 1e-4
+    for times in report.passes + report.eager_passes:
+        assert 0 < times.tower_seconds < times.wall_seconds
+    assert report.seconds == pytest.approx(sum(times.wall_seconds for times in report.passes))
+    assert all(times.stats["items"] == 6 for times in report.passes)
+    rows = [line.split() for line in printed(report).splitlines()]
+    assert [row[1] for row in rows if len(row) == 9 and row[-2].endswith("x")] == ["1", "2", "3"]
+
+
+def test_passes_default_to_one_on_a_cpu_without_eager():
+    report = run(compose_config("predict", TINY_TOWER + SMALL_DATA + ["trainer=cpu"]), "predict")
+    assert len(report.passes) == 1 and report.eager_passes is None
+
+
+@pytest.mark.parametrize("passes", [0, -1, "many"])
+def test_bad_passes_name_the_field(passes):
+    cfg = compose_config("predict", TINY_TOWER + SMALL_DATA + ["trainer=cpu", f"passes={passes}"])
+    with pytest.raises(ValueError, match="passes must be a positive integer"):
+        run(cfg, "predict")
+
+
+def cpu_pass(tower_seconds: float) -> PassReport:
+    stats = {"items": 4, "tokens": 64, "sub_batches": 2, "hits": 2, "misses": 0, "graphs": 0}
+    return PassReport(tower_seconds, tower_seconds + 0.1, {**stats, "capture_seconds": 0.3})
+
+
+def test_the_cpu_report_does_not_speak_of_graphs():
+    passes = [cpu_pass(0.5), cpu_pass(0.4)]
+    report = RunReport("predict", 1.1, passes[-1].stats, device="cpu", passes=passes)
+    text = printed(report)
+    assert "ran its CPU path" in text and "nothing captured or replayed" in text
+    for graph_words in ("graph replays", "hit rate", "graphs captured", "capture:"):
+        assert graph_words not in text
+
+
+def test_the_gpu_report_shows_passes_against_eager_and_capture_per_run():
+    def gpu_pass(tower_seconds: float, graphs: int, capture: float) -> PassReport:
+        stats = {**cpu_pass(0).stats, "graphs_captured": graphs, "capture_seconds_run": capture}
+        return PassReport(tower_seconds, tower_seconds + 0.1, stats)
+
+    passes = [gpu_pass(0.9, 7, 0.5), gpu_pass(0.2, 0, 0.0), gpu_pass(0.2, 2, 0.25)]
+    eager = [PassReport(0.4, 0.5), PassReport(0.4, 0.5), PassReport(0.4, 0.5)]
+    report = RunReport(
+        "predict", 1.6, passes[-1].stats, device="cuda:0", passes=passes, eager_passes=eager
+    )
+    report.eager_seconds, report.max_abs_difference = 1.5, 0.0
+    lines = printed(report).splitlines()
+    pass_rows = [line.split()[1::2] for line in lines if line.endswith("x │")]
+    assert pass_rows == [
+        ["1", "0.400", "0.900", "0.44x"],
+        ["2", "0.400", "0.200", "2.00x"],
+        ["3", "0.400", "0.200", "2.00x"],
+    ]
+    capture = [line for line in lines if line.startswith("capture:")]
+    assert capture == [
+        "capture: 9 graphs in 0.75 s (graphs per pass: 7, 0, 2); the tower seconds above include it"
+    ]
+
+
+def test_the_gpu_report_falls_back_to_the_graphs_held():
+    stats = {**cpu_pass(0).stats, "graphs": 7}
+    report = RunReport("predict", 1.0, stats, device="cuda:0", passes=[PassReport(0.5, 1.0, stats)])
+    assert "capture: 7 graphs held, 0.30 s of capture in all" in printed(report)
 
 
 def test_validate_app_on_a_batch_first_tower():
@@ -97,4 +173,28 @@ def test_each_script_runs_once(script):
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hit rate" in result.stdout
+    assert "padding waste" in result.stdout
+    assert "graph replays" not in result.stdout + result.stderr
+
+
+def test_many_passes_show_the_first_two_then_the_mean():
+    passes = [PassReport(1.0, 1.1), PassReport(0.7, 0.8)] + [PassReport(0.5, 0.6)] * 10
+    eager = [PassReport(0.5, 0.6)] * 12
+    report = RunReport("predict", 8.0, {}, device="cpu", passes=passes, eager_passes=eager)
+    lines = printed(report).splitlines()
+    pass_rows = [line.split("│")[1:-1] for line in lines if line.endswith("x │")]
+    assert [[cell.strip() for cell in row] for row in pass_rows] == [
+        ["1", "0.500", "1.000", "0.50x"],
+        ["2", "0.500", "0.700", "0.71x"],
+        ["3-12, mean", "0.500", "0.500", "1.00x"],
+    ]
+
+
+@pytest.mark.cuda
+def test_the_gpu_demo_runs_passes_against_eager():
+    report = run(compose_config("predict", TINY_TOWER + SMALL_DATA + ["trainer=gpu"]), "predict")
+    assert len(report.passes) == len(report.eager_passes) == 5
+    assert all(times.tower_seconds > 0 for times in report.passes + report.eager_passes)
+    assert report.max_abs_difference < 0.1  # bf16
+    text = printed(report)
+    assert "vs eager" in text and "capture:" in text and "CPU path" not in text

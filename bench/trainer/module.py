@@ -1,0 +1,149 @@
+"""A LightningModule as a user writes one, timing its tower, and a clock per Trainer run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_cg.last_stats import run_capture
+from lightning_cg.models.lit import embed_dim_of, pool_items
+from lightning_cg.models.packed_vit import tokens_per_item
+
+Batch = dict[str, torch.Tensor]
+
+
+class UserModule(pl.LightningModule):
+    """The tower at ``self.backbone`` under a linear head, called in every step.
+
+    Each tower call is timed with a synchronize on each side, and the seconds
+    add up in :attr:`tower_seconds` (reset by :class:`RunClock` at each run).
+
+    Args:
+        backbone: the tower, a batch-first one (``backbone(images)``) or a packed
+            one (``backbone(pixel_patches, grid_thw)`` with a ``config``); it may be
+            a ``torch.compile``'d module.
+        num_classes: classes of the head.
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, backbone: nn.Module, num_classes: int = 10, lr: float = 1e-4) -> None:
+        super().__init__()
+        self.backbone = backbone
+        tower = getattr(backbone, "_orig_mod", backbone)  # the module under torch.compile
+        self.packed_config = getattr(tower, "config", None)
+        self.head = nn.Linear(embed_dim_of(tower), num_classes)
+        self.lr = lr
+        self.tower_seconds = 0.0
+        self.tower_calls = 0
+
+    def embed(self, batch: Batch) -> torch.Tensor:
+        """One embedding per image: the tower's output, packed rows averaged per image."""
+        if "pixel_patches" in batch:
+            tokens = self._timed_tower(batch["pixel_patches"], batch["grid_thw"])
+            return pool_items(tokens, tokens_per_item(batch["grid_thw"], self.packed_config))
+        return self._timed_tower(batch["images"]).flatten(1)
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self.embed(batch)
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, batch_size=len(batch["targets"]))
+        return loss
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.embed(batch)).float(), batch["targets"])
+
+    def _timed_tower(self, *inputs: torch.Tensor) -> torch.Tensor:
+        _synchronize(self.device)
+        started = time.perf_counter()
+        outputs = self.backbone(*inputs)
+        _synchronize(self.device)
+        self.tower_seconds += time.perf_counter() - started
+        self.tower_calls += 1
+        return outputs
+
+
+@dataclass
+class RunRecord:
+    """One validation or predict run of a Trainer.
+
+    Attributes:
+        tower_s: seconds inside the tower, summed over the run's calls.
+        wall_s: seconds from the run's start hook to its end hook.
+        calls: tower calls.
+        graphs_captured: graphs the callback captured (None without a callback).
+        capture_s: seconds of capture (None without a callback).
+        stats_keys: the ``last_stats`` keys the two came from (see
+            :func:`lightning_cg.last_stats.run_capture`).
+        stats: the callback's ``last_stats`` after the run.
+    """
+
+    tower_s: float
+    wall_s: float
+    calls: int
+    graphs_captured: float | None = None
+    capture_s: float | None = None
+    stats_keys: str | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class RunClock(pl.Callback):
+    """Records a :class:`RunRecord` per validation and predict run of a :class:`UserModule`.
+
+    Place it after the CUDA graph callback so that its ``last_stats`` are
+    those of the run that just ended.
+
+    Args:
+        graph_callback: the callback whose ``last_stats`` to read, if any.
+    """
+
+    def __init__(self, graph_callback: pl.Callback | None = None) -> None:
+        self.graph_callback = graph_callback
+        self.records: list[RunRecord] = []
+        self._started = 0.0
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end(pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(pl_module)
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end(pl_module)
+
+    def _start(self, pl_module: UserModule) -> None:
+        pl_module.tower_seconds, pl_module.tower_calls = 0.0, 0
+        _synchronize(pl_module.device)
+        self._started = time.perf_counter()
+
+    def _end(self, pl_module: UserModule) -> None:
+        _synchronize(pl_module.device)
+        record = RunRecord(
+            pl_module.tower_seconds, time.perf_counter() - self._started, pl_module.tower_calls
+        )
+        if self.graph_callback is not None:
+            stats: Mapping[str, float] = self.graph_callback.last_stats
+            record.graphs_captured, record.capture_s, record.stats_keys = run_capture(stats)
+            record.stats = dict(stats)
+        self.records.append(record)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

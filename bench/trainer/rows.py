@@ -1,0 +1,228 @@
+"""Rows of the Trainer benchmark: built from runs, merged into a JSON file, printed.
+
+A row holds every method's figures for one workload, run length and run:
+``{"workload", "batches", "run", "eager_tower_s", "callback_tower_s",
+"vs_eager", "graphs_captured", "capture_s"}`` and extra fields (see
+:data:`EXTRA_KEYS`). Ratios are speed-ups of the callback: ``vs_eager`` is
+eager tower seconds over the callback's, ``vs_compile`` compiled over the
+callback's; above 1 the callback is faster.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.trainer.module import RunRecord
+from bench.trainer.runs import CALLBACK, COMPILE, EAGER, PredictRun
+
+ROW_KEYS = (
+    "workload",
+    "batches",
+    "run",
+    "eager_tower_s",
+    "callback_tower_s",
+    "vs_eager",
+    "graphs_captured",
+    "capture_s",
+)
+#: Extra fields, None where a method did not run.
+EXTRA_KEYS = (
+    "trainer",  # predict rows: "reused" (the first run's Trainer) or "fresh" (a new one)
+    "compile_tower_s",
+    "vs_compile",
+    "eager_wall_s",  # predict: around trainer.predict; fit: the validation runs
+    "callback_wall_s",
+    "compile_wall_s",
+    "callback_max_abs_diff",  # largest |output - eager output| of the run
+    "compile_max_abs_diff",
+    "capture_keys",  # the callback.last_stats keys graphs_captured and capture_s come from
+    "images",
+    "callback_stats",  # callback.last_stats after the run (fit: after the last epoch)
+)
+#: Extra fields of fit rows: per-epoch figures and the whole fit's wall time.
+FIT_KEYS = (
+    "epochs",
+    "val_batches_per_epoch",
+    "eager_epoch_tower_s",
+    "callback_epoch_tower_s",
+    "callback_epoch_graphs_captured",
+    "eager_fit_wall_s",
+    "callback_fit_wall_s",
+)
+_ROW_ID = ("workload", "batches", "run", "trainer")
+_RUNS = {
+    "first": ("first", "reused"),
+    "second": ("second", "reused"),
+    "second_fresh": ("second", "fresh"),
+}
+
+
+def predict_rows(
+    workload: str, batches: int, images: int, results: Mapping[str, Mapping[str, PredictRun]]
+) -> list[dict[str, Any]]:
+    """One row per run in ``results``: per method, its runs by name (``first``, ``second``, ...).
+
+    Args:
+        workload: the workload's name.
+        batches: batches of each run.
+        images: images of each run.
+        results: per method, what :func:`~bench.trainer.runs.predict_runs` returned.
+    """
+    rows = []
+    for name in next(iter(results.values())):
+        run, trainer = _RUNS[name]
+        by_method = {method: runs[name] for method, runs in results.items()}
+        row = _predict_row(_empty_row(workload, batches, run), by_method)
+        rows.append(row | {"trainer": trainer, "images": images})
+    return rows
+
+
+def _predict_row(row: dict[str, Any], by_method: Mapping[str, PredictRun]) -> dict[str, Any]:
+    eager, callback = by_method.get(EAGER), by_method.get(CALLBACK)
+    for method, result in by_method.items():
+        row[f"{method}_tower_s"] = result.record.tower_s
+        row[f"{method}_wall_s"] = result.call_s
+        if eager is not None and method != EAGER:
+            row[f"{method}_max_abs_diff"] = max_abs_difference(result.outputs, eager.outputs)
+    if callback is not None:
+        _add_capture(row, callback.record)
+    return with_ratios(row)
+
+
+def fit_row(
+    workload: str,
+    images: int,
+    epochs: int,
+    val_batches: int,
+    results: Mapping[str, tuple[Sequence[RunRecord], float]],
+) -> dict[str, Any]:
+    """The row of a fit: validation tower time summed over the epochs, per method.
+
+    Args:
+        workload: the fit workload's name.
+        images: validation images per epoch.
+        epochs: epochs of the fit.
+        val_batches: validation batches per epoch.
+        results: per method, the validation runs' records and the fit's wall time.
+    """
+    row = _empty_row(workload, epochs * val_batches, f"epochs_1-{epochs}")
+    row.update(
+        dict.fromkeys(FIT_KEYS),
+        epochs=epochs,
+        val_batches_per_epoch=val_batches,
+        images=epochs * images,
+    )
+    for method, (records, fit_s) in results.items():
+        row[f"{method}_tower_s"] = sum(record.tower_s for record in records)
+        row[f"{method}_wall_s"] = sum(record.wall_s for record in records)
+        row[f"{method}_epoch_tower_s"] = [record.tower_s for record in records]
+        row[f"{method}_fit_wall_s"] = fit_s
+    if CALLBACK in results:
+        records = results[CALLBACK][0]
+        row["callback_epoch_graphs_captured"] = [record.graphs_captured for record in records]
+        _add_capture(row, records[-1])
+        if records[-1].stats_keys == "graphs_captured/capture_seconds_run":
+            row["graphs_captured"] = sum(record.graphs_captured for record in records)
+            row["capture_s"] = sum(record.capture_s for record in records)
+    return with_ratios(row)
+
+
+def _empty_row(workload: str, batches: int, run: str) -> dict[str, Any]:
+    row = dict.fromkeys((*ROW_KEYS, *EXTRA_KEYS))
+    row.update(workload=workload, batches=batches, run=run)
+    return row
+
+
+def _add_capture(row: dict[str, Any], record: RunRecord) -> None:
+    row["graphs_captured"], row["capture_s"] = record.graphs_captured, record.capture_s
+    row["capture_keys"], row["callback_stats"] = record.stats_keys, record.stats
+
+
+def with_ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with ``vs_eager`` and ``vs_compile`` recomputed from its tower seconds."""
+    callback = row.get("callback_tower_s")
+    for key, other in (("vs_eager", "eager_tower_s"), ("vs_compile", "compile_tower_s")):
+        value = row.get(other)
+        row[key] = value / callback if callback and value is not None else None
+    return row
+
+
+def max_abs_difference(outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
+    """Largest absolute difference between two runs' outputs, batch by batch."""
+    if len(outputs) != len(expected):
+        raise ValueError(f"runs gave {len(outputs)} and {len(expected)} batches of outputs")
+    return max(
+        (
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(outputs, expected, strict=True)
+        ),
+        default=0.0,
+    )
+
+
+def merge_rows(
+    rows: Iterable[Mapping[str, Any]], new_rows: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """``rows`` with ``new_rows`` merged in, in first-seen order.
+
+    A new row of the same workload, batches, run and trainer as an old one
+    replaces the fields it has a value for (the methods it ran); the ratios are
+    then recomputed. A new row of another key is appended.
+    """
+    merged = {_row_id(row): dict(row) for row in rows}
+    for row in new_rows:
+        old = merged.get(_row_id(row))
+        if old is None:
+            merged[_row_id(row)] = dict(row)
+        else:
+            old.update({key: value for key, value in row.items() if value is not None})
+            with_ratios(old)
+    return list(merged.values())
+
+
+def _row_id(row: Mapping[str, Any]) -> tuple:
+    return tuple(row.get(key) for key in _ROW_ID)
+
+
+def read_rows(path: Path, check: bool = False) -> list[dict[str, Any]]:
+    """The rows of a JSON file, or none if it does not exist.
+
+    Raises:
+        ValueError: with ``check``, a row lacks one of :data:`ROW_KEYS`.
+    """
+    rows = json.loads(path.read_text()) if path.exists() else []
+    for row in rows if check else []:
+        missing = [key for key in ROW_KEYS if key not in row]
+        if missing:
+            raise ValueError(f"{path} holds a row without {missing}: {str(row)[:200]}")
+    return rows
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def describe(row: Mapping[str, Any]) -> str:
+    """One line of a row: tower seconds per method, speed-ups, capture."""
+    parts = [f"{row['workload']} {row['batches']} batches, {row['run']} run"]
+    if row.get("trainer"):
+        parts[0] += f" ({row['trainer']} trainer)"
+    for method in (EAGER, CALLBACK, COMPILE):
+        seconds = row.get(f"{method}_tower_s")
+        if seconds is not None:
+            parts.append(f"{method} {seconds:.3f} s")
+    for key in ("vs_eager", "vs_compile"):
+        if row.get(key) is not None:
+            parts.append(f"{key} {row[key]:.2f}x")
+    if row.get("graphs_captured") is not None:
+        parts.append(
+            f"{row['graphs_captured']:.0f} graphs, {row['capture_s']:.2f} s capture "
+            f"[{row['capture_keys']}]"
+        )
+    return "; ".join(parts)

@@ -1,0 +1,152 @@
+"""Trainer runs of one workload with one method: eager, the callback, or torch.compile.
+
+Each method gets its own copy of the workload's tower (the same seeded
+weights), its own :class:`~bench.trainer.module.UserModule` and Trainer, and
+runs ``trainer.predict`` twice on one set of batches: the first run pays for
+capture or compilation, the second shows what a later run costs. With a fresh
+Trainer it also runs a third time on a new Trainer (same module and callback).
+A fit runs ``trainer.fit`` with a validation loop each epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from bench.trainer.module import RunClock, RunRecord, UserModule
+from bench.trainer.workloads import SyntheticBatches
+from lightning_cg import CUDAGraphCallback
+
+EAGER, CALLBACK, COMPILE = "eager", "callback", "compile"
+METHODS = (EAGER, CALLBACK, COMPILE)
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """How the Trainers of a benchmark are built.
+
+    Attributes:
+        device: ``cuda`` or ``cpu``.
+        precision: a Lightning precision, e.g. ``bf16-mixed`` or ``32-true``.
+        callback_kwargs: :class:`~lightning_cg.CUDAGraphCallback` arguments
+            besides ``module``.
+    """
+
+    device: str
+    precision: str
+    callback_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PredictRun:
+    """One ``trainer.predict`` call: its record, wall time around the call, and outputs."""
+
+    record: RunRecord
+    call_s: float
+    outputs: list[torch.Tensor]
+
+
+def predict_runs(
+    tower: nn.Module,
+    batches: SyntheticBatches,
+    method: str,
+    settings: TrainerSettings,
+    fresh_trainer: bool = False,
+) -> dict[str, PredictRun]:
+    """The ``first`` and ``second`` predict runs of ``method``, and ``second_fresh`` if asked.
+
+    Args:
+        tower: the workload's tower; the method runs a deep copy of it.
+        batches: what every run predicts on.
+        method: ``eager``, ``callback`` or ``compile``.
+        settings: device, precision and callback arguments.
+        fresh_trainer: also run a third time on a new Trainer.
+    """
+    module, callback = _module_and_callback(tower, method, settings)
+    clock = RunClock(callback)
+    trainer = make_trainer(settings, [callback, clock] if callback else [clock])
+    runs = {}
+    names = ["first", "second"] + (["second_fresh"] if fresh_trainer else [])
+    for name in names:
+        if name == "second_fresh":
+            trainer = make_trainer(settings, [callback, clock] if callback else [clock])
+        started = time.perf_counter()
+        outputs = trainer.predict(module, dataloaders=batches.loader())
+        runs[name] = PredictRun(clock.records[-1], time.perf_counter() - started, outputs)
+    return runs
+
+
+def fit_runs(
+    tower: nn.Module,
+    train_batches: SyntheticBatches,
+    val_batches: SyntheticBatches,
+    method: str,
+    settings: TrainerSettings,
+    epochs: int,
+) -> tuple[list[RunRecord], float]:
+    """The validation runs of ``trainer.fit`` for ``epochs`` epochs, and the wall time of the fit.
+
+    Args:
+        tower: the workload's tower; the method trains a deep copy of it.
+        train_batches: the training batches of one epoch.
+        val_batches: the validation batches of one epoch.
+        method: ``eager`` or ``callback``.
+        settings: device, precision and callback arguments.
+        epochs: epochs to train, each followed by a validation run.
+    """
+    module, callback = _module_and_callback(tower, method, settings)
+    module.train()  # the tower comes in eval mode; Lightning keeps the modes it finds
+    clock = RunClock(callback)
+    trainer = make_trainer(settings, [callback, clock] if callback else [clock], max_epochs=epochs)
+    started = time.perf_counter()
+    trainer.fit(module, train_batches.loader(), val_batches.loader())
+    fit_s = time.perf_counter() - started
+    return clock.records, fit_s
+
+
+def make_trainer(settings: TrainerSettings, callbacks: list[pl.Callback], **kwargs) -> pl.Trainer:
+    """A quiet one-device Trainer: no logger, checkpoint, summary, progress bar, sanity check."""
+    return pl.Trainer(
+        accelerator="gpu" if settings.device == "cuda" else "cpu",
+        devices=1,
+        precision=settings.precision,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def release(method: str) -> None:
+    """Free what a method's finished runs leave behind: compiled code, graphs, cached memory."""
+    if method == COMPILE:
+        torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _module_and_callback(
+    tower: nn.Module, method: str, settings: TrainerSettings
+) -> tuple[UserModule, CUDAGraphCallback | None]:
+    if method not in METHODS:
+        raise ValueError(f"methods has {method!r}; allowed: {', '.join(METHODS)}")
+    torch.manual_seed(0)  # the head's weights, the same for every method
+    backbone = copy.deepcopy(tower)
+    if method == COMPILE:
+        backbone = torch.compile(backbone, mode="reduce-overhead")
+    callback = None
+    if method == CALLBACK:
+        callback = CUDAGraphCallback(module="backbone", **settings.callback_kwargs)
+    return UserModule(backbone), callback

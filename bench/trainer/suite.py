@@ -1,0 +1,174 @@
+"""The whole Trainer benchmark: every workload, run length and method, rows to a JSON file."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+from torch import nn
+
+from bench.trainer.rows import (
+    describe,
+    fit_row,
+    merge_rows,
+    predict_rows,
+    read_rows,
+    write_json,
+)
+from bench.trainer.runs import (
+    CALLBACK,
+    EAGER,
+    TrainerSettings,
+    fit_runs,
+    predict_runs,
+    release,
+)
+from bench.trainer.workloads import Sizes, SyntheticBatches, Workload, make_tower
+
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """One benchmark invocation.
+
+    Attributes:
+        workloads: in run order; fit workloads run ``trainer.fit``.
+        batches: run lengths of the predict workloads, in batches.
+        methods: ``eager``, ``callback``, ``compile`` (fits run eager and callback only).
+        trainer: device, precision and callback arguments.
+        sizes: image sides and tower shapes.
+        seed: seeds weights and batches.
+        fresh_trainer: predict a third time with a new Trainer (a ``second`` row,
+            ``trainer: fresh``).
+        fit_epochs: epochs of a fit.
+        fit_val_batches: validation batches per epoch.
+        fit_train_batches: training batches per epoch.
+        output: JSON file of the rows; run metadata go beside it (``.meta.json``).
+        overwrite: start the file anew instead of merging into its rows.
+    """
+
+    workloads: list[Workload]
+    batches: list[int]
+    methods: list[str]
+    trainer: TrainerSettings
+    sizes: Sizes
+    seed: int = 0
+    fresh_trainer: bool = False
+    fit_epochs: int = 5
+    fit_val_batches: int = 50
+    fit_train_batches: int = 2
+    output: Path = Path("benchmarks/h200-trainer.json")
+    overwrite: bool = False
+
+
+def run_benchmark(
+    settings: BenchSettings, echo: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """Run every workload; after each, merge its rows into ``settings.output``.
+
+    Returns:
+        The new rows of this invocation (the file may hold others too).
+    """
+    quiet_lightning()
+    rows = [] if settings.overwrite else read_rows(settings.output)
+    _write_meta(settings)
+    new_rows = []
+    for workload in settings.workloads:
+        tower = make_tower(workload, settings.sizes, settings.seed)
+        if workload.fit:
+            workload_rows = [_fit(workload, tower, settings)]
+        else:
+            workload_rows = []
+            for count in settings.batches:
+                workload_rows += _predict(workload, tower, count, settings)
+        for row in workload_rows:
+            echo(describe(row))
+        new_rows += workload_rows
+        rows = merge_rows(rows, workload_rows)
+        write_json(settings.output, rows)
+    return new_rows
+
+
+def _predict(
+    workload: Workload, tower: nn.Module, count: int, settings: BenchSettings
+) -> list[dict[str, Any]]:
+    batches = _batches(workload, tower, count, settings.seed, settings)
+    warm_up(tower, batches, settings.trainer.device, settings.trainer.precision)
+    results = {}
+    for method in settings.methods:
+        results[method] = predict_runs(
+            tower, batches, method, settings.trainer, settings.fresh_trainer
+        )
+        release(method)
+    return predict_rows(workload.name, count, batches.images(), results)
+
+
+def _fit(workload: Workload, tower: nn.Module, settings: BenchSettings) -> dict[str, Any]:
+    train = _batches(workload, tower, settings.fit_train_batches, settings.seed + 1, settings)
+    val = _batches(workload, tower, settings.fit_val_batches, settings.seed, settings)
+    warm_up(tower, val, settings.trainer.device, settings.trainer.precision)
+    methods = [method for method in settings.methods if method in (EAGER, CALLBACK)]
+    results = {}
+    for method in methods:
+        results[method] = fit_runs(tower, train, val, method, settings.trainer, settings.fit_epochs)
+        release(method)
+    return fit_row(workload.name, val.images(), settings.fit_epochs, len(val), results)
+
+
+def _batches(
+    workload: Workload, tower: nn.Module, count: int, seed: int, settings: BenchSettings
+) -> SyntheticBatches:
+    device = torch.device(settings.trainer.device)
+    return SyntheticBatches(workload, tower, count, settings.sizes, seed, device)
+
+
+def warm_up(tower: nn.Module, batches: SyntheticBatches, device: str, precision: str) -> None:
+    """Two eager calls on the first batch, so no method's first run pays for the device's start.
+
+    cuBLAS and cuDNN initialize on the first call of a process; without this the
+    first method of the first workload would pay for it alone.
+    """
+    batch = batches[0]
+    packed = "grid_thw" in batch
+    inputs = (batch["pixel_patches"], batch["grid_thw"]) if packed else (batch["images"],)
+    dtype = _AUTOCAST.get(precision)
+    tower.to(device)
+    with torch.inference_mode(), torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+        for _ in range(2):
+            tower(*inputs)
+    tower.cpu()
+
+
+def quiet_lightning() -> None:
+    """Keep Lightning's per-Trainer banners and the data-loader advice out of the output."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+def _write_meta(settings: BenchSettings) -> None:
+    meta_path = settings.output.with_suffix(".meta.json")
+    invocations = [] if settings.overwrite else read_rows(meta_path)
+    invocations.append(
+        {
+            "command": " ".join(sys.argv),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "device": torch.cuda.get_device_name() if settings.trainer.device == "cuda" else "cpu",
+            "precision": settings.trainer.precision,
+            "callback_kwargs": dict(settings.trainer.callback_kwargs),
+            "methods": settings.methods,
+        }
+    )
+    write_json(meta_path, invocations)

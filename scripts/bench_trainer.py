@@ -1,0 +1,183 @@
+"""End-to-end benchmark through the Lightning Trainer: eager, the callback, torch.compile.
+
+A user-style LightningModule holds the tower at ``self.backbone`` and calls it
+in ``predict_step`` / ``validation_step``, timed with a synchronize on each
+side. For each workload and run length it runs ``trainer.predict`` twice per
+method (``first`` and ``second`` run: one module, one callback, one Trainer)
+and sums the tower seconds of each run; fit workloads train for a few epochs
+with a validation loop each epoch and sum the validation tower seconds.
+
+    python scripts/bench_trainer.py                                   # everything (GPU: in pieces)
+    python scripts/bench_trainer.py --workloads vit_b_16/batch_8 --batches 10 100
+    python scripts/bench_trainer.py --workloads packed_vit/mixed_batch_8 --batches 1000 \\
+        --methods eager callback
+    python scripts/bench_trainer.py --workloads fit/vit_b_16/batch_8 --fit-epochs 5
+    python scripts/bench_trainer.py --device cpu --tiny --batches 2 --fit-epochs 2 \\
+        --fit-val-batches 2 --output /tmp/trainer.json
+
+Rows are merged into ``--output`` (default benchmarks/h200-trainer.json) after
+each workload, so runs split over several invocations add up to one file; a
+later invocation replaces the methods it ran in rows it shares with the file.
+``--from-json a.json b.json`` merges row files the same way and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+# scripts/bench.py would shadow the bench package: look in the repo root instead of here.
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path[0] and Path(sys.path[0]).resolve() == ROOT / "scripts":
+    sys.path[0] = str(ROOT)
+else:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.trainer.rows import merge_rows, read_rows, write_json  # noqa: E402
+from bench.trainer.runs import COMPILE, METHODS, TrainerSettings  # noqa: E402
+from bench.trainer.suite import BenchSettings, run_benchmark  # noqa: E402
+from bench.trainer.workloads import (  # noqa: E402
+    FIT_WORKLOADS,
+    FULL_SIZES,
+    PREDICT_WORKLOADS,
+    TINY_SIZES,
+    Workload,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=[*PREDICT_WORKLOADS, *FIT_WORKLOADS],
+        help="[fit/]<tower>/batch_<n> or [fit/]<tower>/mixed_batch_<n>; default: "
+        + " ".join([*PREDICT_WORKLOADS, *FIT_WORKLOADS]),
+    )
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        type=int,
+        default=[10, 100, 1000],
+        help="run lengths of the predict workloads, in batches",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        choices=METHODS,
+        help="compile: the tower under torch.compile(mode='reduce-overhead')",
+    )
+    parser.add_argument(
+        "--fresh-trainer",
+        action="store_true",
+        help="also predict once more on a new Trainer (second run, fresh trainer)",
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="Lightning precision (default: bf16-mixed on CUDA, 32-true on CPU)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny towers and images (CPU smoke)")
+    parser.add_argument(
+        "--min-side",
+        type=int,
+        default=None,
+        help="smallest side of the mixed-size images (default 64; tiny: 32)",
+    )
+    parser.add_argument(
+        "--max-side",
+        type=int,
+        default=None,
+        help="largest side of the mixed-size images (default 1024; tiny: 96)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit-epochs", type=int, default=5)
+    parser.add_argument("--fit-val-batches", type=int, default=50)
+    parser.add_argument("--fit-train-batches", type=int, default=2)
+    parser.add_argument(
+        "--callback-kwargs",
+        type=json.loads,
+        default={},
+        help='CUDAGraphCallback arguments, a JSON object: {"dispatch": "measured"}',
+    )
+    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "h200-trainer.json")
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="merge the rows of these files into --output and run nothing",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start --output anew instead of merging into its rows",
+    )
+    return parser.parse_args(argv)
+
+
+def resolve_settings(args: argparse.Namespace) -> BenchSettings:
+    """Check the arguments and fill the defaults that depend on the device.
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
+    """
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name in ("batches", "fit_epochs", "fit_val_batches", "fit_train_batches"):
+        values = getattr(args, name)
+        if min(values if isinstance(values, list) else [values]) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {values}")
+    methods = list(dict.fromkeys(args.methods))
+    if device == "cpu" and COMPILE in methods:
+        print("compile: needs CUDA (reduce-overhead is CUDA graphs); left out on the CPU")
+        methods.remove(COMPILE)
+    base = TINY_SIZES if args.tiny else FULL_SIZES
+    sides = (args.min_side or base.mixed_sides[0], args.max_side or base.mixed_sides[1])
+    if not 0 < sides[0] <= sides[1]:
+        raise ValueError(f"need 0 < --min-side <= --max-side; got {sides[0]} and {sides[1]}")
+    precision = args.precision or ("bf16-mixed" if device == "cuda" else "32-true")
+    return BenchSettings(
+        workloads=[Workload.parse(name) for name in args.workloads],
+        batches=args.batches,
+        methods=methods,
+        trainer=TrainerSettings(device, precision, args.callback_kwargs),
+        sizes=replace(base, mixed_sides=sides),
+        seed=args.seed,
+        fresh_trainer=args.fresh_trainer,
+        fit_epochs=args.fit_epochs,
+        fit_val_batches=args.fit_val_batches,
+        fit_train_batches=args.fit_train_batches,
+        output=args.output,
+        overwrite=args.overwrite,
+    )
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.from_json:
+        rows = [] if args.overwrite else read_rows(args.output)
+        # Run metadata lie beside the rows; a shell glob picks them up too.
+        for path in [path for path in args.from_json if not path.name.endswith(".meta.json")]:
+            rows = merge_rows(rows, read_rows(path, check=True))
+        write_json(args.output, rows)
+        print(f"{len(rows)} rows in {args.output}")
+        return rows
+    settings = resolve_settings(args)
+    rows = run_benchmark(settings)
+    print(f"{len(rows)} rows merged into {settings.output}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""scripts/bench_trainer.py on the CPU: tiny towers, two-batch runs, the row schema."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the top-level bench package, however pytest was started
+
+from bench.trainer.rows import ROW_KEYS, merge_rows  # noqa: E402
+from bench.trainer.runs import TrainerSettings, predict_runs  # noqa: E402
+from bench.trainer.workloads import TINY_SIZES, SyntheticBatches, Workload, make_tower  # noqa: E402
+
+CAPTURE_KEYS = ("graphs_captured/capture_seconds_run", "graphs/capture_seconds")
+CPU = TrainerSettings("cpu", "32-true")
+
+
+def bench_trainer(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_trainer.py"), f"--device={device}", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_smoke_run_writes_one_row_per_workload_length_and_run(tmp_path):
+    output = tmp_path / "trainer.json"
+    result = bench_trainer(
+        "--tiny",
+        "--batches=2",
+        "--workloads",
+        "vit_b_16/batch_1",
+        "packed_vit_small/mixed_batch_8",
+        "fit/packed_vit_small/mixed_batch_8",
+        "--fresh-trainer",
+        "--fit-epochs=2",
+        "--fit-val-batches=2",
+        "--fit-train-batches=1",
+        f"--output={output}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(output.read_text())
+    keys = [(row["workload"], row["batches"], row["run"], row["trainer"]) for row in rows]
+    predict_keys = [
+        (workload, 2, run, trainer)
+        for workload in ("vit_b_16/batch_1", "packed_vit_small/mixed_batch_8")
+        for run, trainer in (("first", "reused"), ("second", "reused"), ("second", "fresh"))
+    ]
+    assert keys == [*predict_keys, ("fit/packed_vit_small/mixed_batch_8", 4, "epochs_1-2", None)]
+    for row in rows:
+        assert set(ROW_KEYS) <= set(row)
+        assert row["eager_tower_s"] > 0 and row["callback_tower_s"] > 0
+        assert row["vs_eager"] == pytest.approx(row["eager_tower_s"] / row["callback_tower_s"])
+        assert isinstance(row["graphs_captured"], int) and row["capture_s"] >= 0
+        assert row["capture_keys"] in CAPTURE_KEYS
+        # No compile on the CPU: the fields are there, empty.
+        assert row["compile_tower_s"] is None and row["vs_compile"] is None
+    for row in rows[:-1]:
+        assert row["callback_max_abs_diff"] < 1e-4
+        assert row["images"] == row["batches"] * (1 if "batch_1" in row["workload"] else 8)
+        assert row["callback_stats"]["items"] == row["images"]
+    fit = rows[-1]
+    assert len(fit["eager_epoch_tower_s"]) == len(fit["callback_epoch_tower_s"]) == 2
+    assert fit["callback_tower_s"] == pytest.approx(sum(fit["callback_epoch_tower_s"]))
+    assert "vit_b_16/batch_1 2 batches, first run" in result.stdout
+
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps([{**rows[0], "compile_tower_s": 1.0}]))
+    meta = output.with_suffix(".meta.json")
+    assert json.loads(meta.read_text())[0]["methods"] == ["eager", "callback"]
+    result = bench_trainer("--from-json", str(output), str(meta), f"--output={merged}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged_rows = json.loads(merged.read_text())
+    assert merged_rows[1:] == rows[1:] and merged_rows[0]["compile_tower_s"] == 1.0
+
+
+def test_callback_outputs_equal_eager_outputs_on_mixed_sizes():
+    workload = Workload.parse("packed_vit_small/mixed_batch_8")
+    tower = make_tower(workload, TINY_SIZES, seed=0)
+    batches = SyntheticBatches(workload, tower, 3, TINY_SIZES, seed=0, device=torch.device("cpu"))
+    eager = predict_runs(tower, batches, "eager", CPU)
+    graphed = predict_runs(tower, batches, "callback", CPU)
+    for run in ("first", "second"):
+        # The callback served every image, padded into budgets, yet gave eager's outputs.
+        assert graphed[run].record.stats["items"] == batches.images()
+        assert graphed[run].record.stats["padded_tokens"] > 0
+        assert len(graphed[run].outputs) == len(eager[run].outputs) == 3
+        for graph_out, eager_out in zip(graphed[run].outputs, eager[run].outputs, strict=True):
+            torch.testing.assert_close(graph_out, eager_out, rtol=1e-4, atol=1e-5)
+
+
+def test_batches_are_seeded_and_a_shorter_run_is_a_prefix():
+    workload = Workload.parse("packed_vit/mixed_batch_8")
+    tower = make_tower(workload, TINY_SIZES, seed=0)
+    cpu = torch.device("cpu")
+    short, long = (SyntheticBatches(workload, tower, n, TINY_SIZES, 0, cpu) for n in (2, 5))
+    other = SyntheticBatches(workload, tower, 2, TINY_SIZES, 1, cpu)
+    for index in range(2):
+        for key in ("pixel_patches", "grid_thw", "targets"):
+            assert torch.equal(short[index][key], long[index][key])
+        assert not torch.equal(short[index]["pixel_patches"], other[index]["pixel_patches"])
+    sides = {side for batch in long for side in batch["grid_thw"][:, 1:].flatten().tolist()}
+    assert len(sides) > 1  # mixed sizes, in patches
+    assert all(len(batch["grid_thw"]) == 8 for batch in long)
+
+
+def test_a_later_invocation_fills_in_the_methods_it_ran():
+    key = {"workload": "vit_b_16/batch_8", "batches": 10, "run": "first", "trainer": "reused"}
+    old = {**key, "eager_tower_s": 2.0, "callback_tower_s": 1.0, "compile_tower_s": None}
+    new = {**key, "eager_tower_s": None, "callback_tower_s": None, "compile_tower_s": 4.0}
+    other = {**key, "batches": 100, "eager_tower_s": 3.0, "callback_tower_s": None}
+    merged = merge_rows([old], [new, other])
+    assert merged[0]["eager_tower_s"] == 2.0 and merged[0]["compile_tower_s"] == 4.0
+    assert merged[0]["vs_eager"] == 2.0 and merged[0]["vs_compile"] == 4.0
+    assert merged[1] == other
+
+
+@pytest.mark.parametrize(
+    "name", ["vit_b_32/batch_8", "vit_b_16/mixed_batch_8", "packed_vit/batch_8", "vit_b_16/batch_0"]
+)
+def test_bad_workload_names_the_field(name):
+    with pytest.raises(ValueError, match=f"workloads has '{name}'"):
+        Workload.parse(name)
+
+
+@pytest.mark.cuda
+def test_every_method_on_cuda(tmp_path):
+    output = tmp_path / "trainer.json"
+    result = bench_trainer(
+        "--tiny",
+        "--batches=3",
+        "--workloads",
+        "vit_b_16/batch_8",
+        "packed_vit_small/mixed_batch_8",
+        "fit/vit_b_16/batch_8",
+        "--fit-epochs=2",
+        "--fit-val-batches=3",
+        f"--output={output}",
+        device="cuda",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(output.read_text())
+    assert [row["run"] for row in rows] == ["first", "second", "first", "second", "epochs_1-2"]
+    for row in rows[:-1]:
+        assert row["compile_tower_s"] > 0 and row["vs_compile"] > 0
+        assert row["callback_max_abs_diff"] < 0.1 and row["compile_max_abs_diff"] < 0.1
+    first = rows[0]
+    assert first["graphs_captured"] > 0 and first["capture_s"] > 0
