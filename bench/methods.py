@@ -190,5 +190,3 @@ def graph_config(manager: Mapping[str, Any], mode: str) -> GraphConfig:
         ValueError: a field is unknown or bad; the message names it.
     """
     return GraphConfig.from_options(**{**manager, "mode": mode})
-
-

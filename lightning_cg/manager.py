@@ -282,6 +282,8 @@ class EncoderGraphManager:
         if graph is None:
             return self._run_eagerly(call, key, reason, path, inputs, specs)
         if self.config.dispatch == "measured":
+            if not self.measured.has_table(call.graph_set, path):
+                self.measured.measure(call.graph_set, path, inputs, specs)
             decision = self.measured.decide(call.graph_set, path, tokens)
             if decision is not None and decision.runner == "split":
                 self.stats.measured_splits += 1
@@ -338,13 +340,13 @@ class EncoderGraphManager:
                 return None, "measured_slower"
             return graph, ""
         self.policy.sighted(key, path, key.descriptor.num_tokens)
-        self._timer.collect(wait=True)
+        # Timings of earlier runs that have finished; waiting for the rest would
+        # stall the host behind the GPU: a key whose timing is pending waits a call.
+        self._timer.collect()
         decision = self.policy.decide(key)
         if decision != CAPTURE:
             return None, "policy" if decision == NO_GAIN else "no_graph_yet"
         self._capture_key(key)
-        if self.config.dispatch == "measured" and not self.measured.has_table(key.graph_set, path):
-            self.measured.measure(key.graph_set, path, inputs, specs)
         # A fault may have changed the plan (a dropped budget, an eager path): look again.
         rekey = self._key(call.graph_set, path, specs, [s.path_tokens.get(path, 0) for s in specs])
         graph = self.cache.get(rekey) if rekey is not None else None

@@ -9,6 +9,7 @@ smaller graphs by :class:`~lightning_cg.measured.DecisionTable`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,15 @@ class MeasuredDispatch:
 
     def has_table(self, graph_set: GraphSet, path: str) -> bool:
         return (graph_set, path) in self._tables
+
+    @property
+    def tables(self) -> dict[tuple[GraphSet, str], DecisionTable]:
+        """The decision tables by (graph set, path)."""
+        return dict(self._tables)
+
+    def set_table(self, graph_set: GraphSet, path: str, table: DecisionTable) -> None:
+        """Dispatch ``path`` of ``graph_set`` by ``table`` (one measured elsewhere)."""
+        self._tables[(graph_set, path)] = table
 
     def measure(self, graph_set: GraphSet, path: str, inputs: Any, specs: list[ItemSpec]) -> None:
         """Time each captured graph of ``path`` against eager on these real items.
@@ -119,7 +129,7 @@ class MeasuredDispatch:
         return TimingSample(
             spec.token_budget,
             tokens,
-            replay=lambda: self._replay(graph, path, sub_inputs, tokens),
+            replay=functools.partial(self._replay, graph, path, sub_inputs, tokens),
             # As a miss runs: the tower as it is (never compiled), in the caller's mode.
-            eager=lambda: self._eager(path, sub_inputs),
+            eager=functools.partial(self._eager, path, sub_inputs),
         )

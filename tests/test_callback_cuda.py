@@ -84,7 +84,7 @@ def test_bf16_mixed_and_inference_mode(inference_mode):
     assert callback.last_stats["hits"] > 0
 
 
-def test_graphs_are_captured_once_per_fit_and_again_after_the_tower_moves():
+def test_graphs_are_captured_once_per_fit_and_kept_after_the_tower_moves():
     callback = CUDAGraphCallback(budgets={"max_budget": 256}, capture="first_use")
     graphs_after_each_validation = []
 
@@ -100,8 +100,30 @@ def test_graphs_are_captured_once_per_fit_and_again_after_the_tower_moves():
     assert second.keys() == first.keys()
     assert all(second[key] is graph for key, graph in first.items())
     # Lightning moves the module to the CPU when fit ends; validate brings it
-    # back at new addresses, which the old graphs would read.
-    fit.validate(net, datamodule("packed"), verbose=False)
+    # back at new addresses, whose values are copied into the graphs' storage.
+    graphed = fit.validate(net, datamodule("packed"), verbose=False)[0]["val_loss"]
     third = graphs_after_each_validation[-1]
-    assert third.keys() == first.keys()
-    assert all(third[key] is not graph for key, graph in first.items())
+    assert all(third[key] is graph for key, graph in first.items())
+    assert callback.last_stats["graphs_captured"] == 0
+    eager = trainer().validate(net, datamodule("packed"), verbose=False)[0]["val_loss"]
+    assert graphed == pytest.approx(eager, rel=1e-4)
+
+
+def test_a_second_predict_captures_nothing_and_serves_new_weights():
+    callback = CUDAGraphCallback(budgets={"max_budget": 256}, capture="first_use")
+    net = model("packed")
+    run = trainer(callback)
+    captured = []
+    for weights in ("first", "same", "other"):
+        if weights == "other":  # new weights in new storage, as a checkpoint load
+            other = model("packed")
+            with torch.no_grad():
+                for parameter in other.vision_tower.parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.1)
+            net.vision_tower.load_state_dict(other.vision_tower.state_dict(), assign=True)
+        graphed = torch.cat(run.predict(net, datamodule("packed")))
+        captured.append(callback.last_stats["graphs_captured"])
+        assert callback.last_stats["hits"] > 0
+        eager = torch.cat(trainer().predict(net, datamodule("packed")))
+        assert relative_error(graphed, eager) < 1e-5
+    assert captured[0] > 0 and captured[1:] == [0, 0]

@@ -106,8 +106,7 @@ def test_per_item_metadata_captures_a_graph_per_item_count_sharing_input_buffers
         budgets=BudgetConfig(budgets=[8, 32]),
         max_items_per_batch=4,
     )
-    with torch.no_grad():
-        run(manager, *make_batch(random.Random(6), [3]))
+    capture_every_key(manager, *make_batch(random.Random(6), [3]))
     local = {key.descriptor: graph for key, graph in manager.cache.items() if key.path == "local"}
     assert sorted((key.num_tokens, key.num_items) for key in local) == [
         (budget, count) for budget in (8, 32) for count in (1, 2, 4)
@@ -123,6 +122,12 @@ def test_per_item_metadata_captures_a_graph_per_item_count_sharing_input_buffers
         }
         assert len(tokens) == 1  # one input buffer per budget, whatever the item count
     assert len({graph.buffers["tokens"].data_ptr() for graph in local.values()}) == 2
+
+
+def capture_every_key(manager: EncoderGraphManager, tokens, lengths) -> None:
+    """Capture the whole ladder of every path now, for the signature of this batch."""
+    inputs = manager.encoder.inputs_from_call((tokens, lengths), {})
+    manager.capture(manager.encoder.graph_signature(inputs))
 
 
 def per_item_count_manager(tower: ToyTower, **kwargs) -> EncoderGraphManager:
@@ -174,6 +179,7 @@ def test_graphs_per_item_count_do_not_follow_the_users_uniform_counts():
     tower = ToyTower().eval()
     manager = per_item_count_manager(tower, uniform_item_counts=[3])
     tokens, lengths = make_batch(random.Random(8), [2, 3, 4, 5, 6])
+    capture_every_key(manager, tokens, lengths)
     with torch.no_grad():
         assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
     assert local_slots(manager) == {1: 1, 2: 2, 4: 4, 8: 8}
@@ -184,6 +190,7 @@ def test_graphs_per_item_count_stop_where_max_frames_does():
     tower = ToyTower().eval()
     manager = per_item_count_manager(tower, max_frames_per_batch=3)
     rng = random.Random(9)
+    capture_every_key(manager, *make_batch(rng, [1]))
     with torch.no_grad():
         for lengths in ([4, 5, 6], [1, 2, 3, 4]):
             tokens, lengths = make_batch(rng, lengths)

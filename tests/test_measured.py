@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg import measured
+from lightning_cg.cache import GraphCache, GraphSet
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.measured import DecisionTable, check_dispatch, fill_budget
 from lightning_cg.replay import relative_error
@@ -163,8 +164,7 @@ def measured_manager(table: DecisionTable) -> EncoderGraphManager:
     )
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="dispatch='measured'.*no CUDA"):
         run(manager, *make_batch(random.Random(0), [4]))
-    graph_set = ((torch.float32, torch.device("cpu")), ())
-    manager._tables[(graph_set, "local")] = table
+    manager.measured.set_table(GraphSet((torch.float32, torch.device("cpu"))), "local", table)
     manager.reset_stats()
     return manager
 
@@ -190,11 +190,12 @@ def test_table_is_timed_on_the_first_real_items_repeated(monkeypatch):
     tower = manager.encoder.tower
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="no CUDA"):
         run(manager, *make_batch(random.Random(9), [3]))  # captures; cannot time on the CPU
-    manager._pool = "as if captured on CUDA"  # lets the timing run; the CPU path needs no pool
+    # As if captured on CUDA: lets the timing run; the CPU path needs no pool.
+    monkeypatch.setattr(GraphCache, "has_pool", property(lambda cache: True))
     with torch.no_grad():
         tokens, lengths = make_batch(random.Random(10), [10, 7])
         assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
-    (table,) = manager._tables.values()
+    (table,) = manager.measured.tables.values()
     assert table.budgets == [8, 16, 32, 64]
     # The sub-batch packs as [7, 10]; each budget takes them in turn while they fit.
     expected = [7, 7 + 7, 7 + 10 + 7 + 7, 3 * (7 + 10) + 7]
@@ -262,7 +263,7 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
 
     def spy(graph, path, inputs, total):
         # Replays timed while a table is being measured are not dispatched.
-        if any(table_path == path for _, table_path in manager._tables):
+        if any(table_path == path for _, table_path in manager.measured.tables):
             replays.append((path, graph.spec.token_budget, total))
         return replay(graph, path, inputs, total)
 
@@ -274,7 +275,7 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
             lengths = [rng.randrange(1, 120) for _ in range(rng.randrange(1, 6))]
             tokens, lengths = make_batch(rng, lengths, device="cuda", dtype=dtype)
             assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < tolerance
-    tables = {path: table for (_, path), table in manager._tables.items()}
+    tables = {path: table for (_, path), table in manager.measured.tables.items()}
     assert set(tables) == {"local", "global"}
     assert manager.decision_table()
     for path, budget, total in replays:
@@ -292,7 +293,7 @@ def test_cuda_table_times_eager_on_the_real_items_repeated():
     )
     with torch.no_grad():
         run(manager, *make_batch(random.Random(5), [10, 7], device="cuda"))
-    (table,) = manager._tables.values()
+    (table,) = manager.measured.tables.values()
     # Every budget is filled with copies of the 10- and 7-token items, not with
     # one sequence of the budget's size (8, 16, 32, ... tokens).
     for tokens, _ in table.eager_points:
