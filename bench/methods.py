@@ -189,4 +189,7 @@ def graph_config(manager: Mapping[str, Any], mode: str) -> GraphConfig:
     Raises:
         ValueError: a field is unknown or bad; the message names it.
     """
-    return GraphConfig.from_options(**{**manager, "mode": mode})
+    try:
+        return GraphConfig.from_options(**{**manager, "mode": mode})
+    except ValueError as error:
+        raise ValueError(f"manager settings: manager.{error}") from None

@@ -70,7 +70,8 @@ def printed(report: RunReport) -> str:
 
 
 def test_predict_app_compares_with_eager():
-    cfg = compose_config("predict", TINY_TOWER + SMALL_DATA + ["compare_eager=true", "trainer=cpu"])
+    overrides = ["compare_eager=true", "trainer=cpu", "cudagraph.capture=first_use"]
+    cfg = compose_config("predict", TINY_TOWER + SMALL_DATA + overrides)
     report = run(cfg, "predict")
     assert report.stats["items"] == 6 and report.stats["hits"] > 0
     assert report.max_abs_difference < 1e-4
@@ -148,7 +149,10 @@ def test_the_gpu_report_falls_back_to_the_graphs_held():
 
 def test_validate_app_on_a_batch_first_tower():
     cfg = compose_config(
-        "validate", TINY_VIT + ["data=fake", "data.num_items=8", "data.batch_size=4", "trainer=cpu"]
+        "validate",
+        TINY_VIT
+        + ["data=fake", "data.num_items=8", "data.batch_size=4", "trainer=cpu"]
+        + ["cudagraph.capture=first_use"],
     )
     report = run(cfg, "validate")
     assert report.stats["items"] == 8 and report.stats["hit_rate"] == 1.0

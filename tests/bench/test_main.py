@@ -28,6 +28,7 @@ REQUIRED_KEYS = (
 )
 CPU_RUN = [
     "quick=true",
+    "manager.capture=first_use",  # the graph path from the first pass
     "tiny=true",
     "device=cpu",
     "dtype=float32",
