@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -220,13 +221,28 @@ class EncoderGraphManager:
             torch.is_inference_mode_enabled(),
         )
         with graph_context():
+            eager_items: list[int] = []
+            eager_routes: list[_Route] = []
             for indices in self._pack(specs):
                 # One sub-batch of every item in order needs no gather (a copy).
                 sub_inputs = (
                     inputs if indices == everything else self.encoder.select_items(inputs, indices)
                 )
+                sub_specs = [specs[i] for i in indices]
                 self.stats.sub_batches += 1
-                self._run_sub_batch(call, sub_inputs, indices, specs, outputs)
+                routes = {
+                    path: self._route(call, path, sub_inputs, sub_specs) for path in self.paths
+                }
+                if all(route.eager for route in routes.values()):
+                    # Eager sub-batches run together below: one eager call, not one each.
+                    eager_items += indices
+                    eager_routes += routes.values()
+                    continue
+                for path, route in routes.items():
+                    rows = self._run_route(call, route, path, sub_inputs, sub_specs)
+                    _scatter(outputs, indices, path, rows)
+        if eager_items:
+            self._run_eager_items(call, inputs, sorted(eager_items), specs, eager_routes, outputs)
         return outputs
 
     def _sampling(self, specs: list[ItemSpec]) -> bool:
@@ -256,43 +272,86 @@ class EncoderGraphManager:
         specs: list[ItemSpec],
         outputs: list[dict[str, torch.Tensor]],
     ) -> None:
-        """Run every path of one sub-batch (all eagerly when ``call.graph_set`` is None)."""
+        """Run every path of one sub-batch eagerly."""
         sub_specs = [specs[i] for i in indices]
         for path in self.paths:
-            if call.graph_set is None:
-                rows = self._split(self._eager(call, path, sub_inputs, sub_specs), path, sub_specs)
-            else:
-                rows = self._run_path(call, path, sub_inputs, sub_specs)
-            for index, item_rows in zip(indices, rows, strict=True):
-                if item_rows is not None:
-                    outputs[index][path] = item_rows
+            if any(spec.path_tokens.get(path, 0) for spec in sub_specs):
+                rows = self._eager(call, path, sub_inputs, sub_specs)
+                _scatter(outputs, indices, path, self._split(rows, path, sub_specs))
 
-    def _run_path(self, call: _Call, path: str, inputs: Any, specs: list[ItemSpec]) -> Rows:
+    def _run_eager_items(
+        self,
+        call: _Call,
+        inputs: Any,
+        indices: list[int],
+        specs: list[ItemSpec],
+        routes: list[_Route],
+        outputs: list[dict[str, torch.Tensor]],
+    ) -> None:
+        """Run the items of every all-eager sub-batch in one eager call.
+
+        Keys the policy still needs eager times of share the call's time by tokens.
+        """
+        everything = len(indices) == len(specs)
+        sub_inputs = inputs if everything else self.encoder.select_items(inputs, indices)
+        timed = [route for route in routes if route.key is not None and route.tokens]
+        timed = [route for route in timed if self.policy.wants_eager_timing(route.key)]
+        if not timed:
+            self._run_sub_batch(call, sub_inputs, indices, specs, outputs)
+            return
+        total = sum(route.tokens for route in routes) or 1
+
+        def record(seconds: float) -> None:
+            for route in timed:
+                self.policy.record_eager(route.key, seconds * route.tokens / total)
+
+        with self._timer.timed(record) as timing:
+            self._run_sub_batch(call, sub_inputs, indices, specs, outputs)
+            timing.on_cuda = any(
+                rows.is_cuda for index in indices for rows in outputs[index].values()
+            )
+
+    def _route(self, call: _Call, path: str, inputs: Any, specs: list[ItemSpec]) -> _Route:
+        """How ``path`` of a sub-batch runs: which graph, or eagerly and why (counted)."""
         tokens = [spec.path_tokens.get(path, 0) for spec in specs]
-        if sum(tokens) == 0:
-            return [None] * len(specs)
+        total = sum(tokens)
+        if total == 0:
+            return _Route(tokens=0)
         plan = self.paths[path]
         if self.mode is GraphMode.NONE or plan.eager_reason is not None:
             self.stats.misses += 1
-            return self._split(self._eager(call, path, inputs, specs), path, specs)
+            return _Route(tokens=total)
         key = self._key(call.graph_set, path, specs, tokens)
         if key is None:
-            return self._run_eagerly(call, None, "above_budget", path, inputs, specs)
+            self.stats.count_eager("above_budget")
+            return _Route(tokens=total)
         graph, reason = self._graph_for(key, call, path, inputs, specs)
         if graph is None:
-            return self._run_eagerly(call, key, reason, path, inputs, specs)
+            self.stats.count_eager(reason)
+            return _Route(key=key, tokens=total)
         if self.config.dispatch == "measured":
             if not self.measured.has_table(call.graph_set, path):
                 self.measured.measure(call.graph_set, path, inputs, specs)
             decision = self.measured.decide(call.graph_set, path, tokens)
             if decision is not None and decision.runner == "split":
                 self.stats.measured_splits += 1
-                return self._run_parts(call, path, inputs, specs, decision.parts)
+                return _Route(key=key, tokens=total, parts=decision.parts)
             if decision is not None and decision.runner == "eager":
                 self.stats.measured_eager += 1
                 self.stats.misses += 1
-                return self._split(self._eager(call, path, inputs, specs), path, specs)
-        return self._run_graph(call, key, graph, path, inputs, specs, sum(tokens))
+                return _Route(tokens=total)
+        return _Route(key=key, graph=graph, tokens=total)
+
+    def _run_route(
+        self, call: _Call, route: _Route, path: str, inputs: Any, specs: list[ItemSpec]
+    ) -> Rows:
+        if route.parts:
+            return self._run_parts(call, path, inputs, specs, route.parts)
+        if route.graph is not None:
+            return self._run_graph(call, route.key, route.graph, path, inputs, specs, route.tokens)
+        if route.tokens == 0:
+            return [None] * len(specs)
+        return self._split(self._eager(call, path, inputs, specs), path, specs)
 
     def _key(
         self, graph_set: GraphSet, path: str, specs: list[ItemSpec], tokens: list[int]
@@ -387,24 +446,6 @@ class EncoderGraphManager:
             check_replay(graph, path, rows, self._eager(call, path, inputs, specs))
         return self._split(rows, path, specs)
 
-    def _run_eagerly(
-        self,
-        call: _Call,
-        key: GraphKey | None,
-        reason: str,
-        path: str,
-        inputs: Any,
-        specs: list[ItemSpec],
-    ) -> Rows:
-        self.stats.count_eager(reason)
-        if key is not None and self.policy.wants_eager_timing(key):
-            with self._timer.timed(lambda seconds: self.policy.record_eager(key, seconds)) as t:
-                rows = self._eager(call, path, inputs, specs)
-                t.on_cuda = rows.is_cuda
-        else:
-            rows = self._eager(call, path, inputs, specs)
-        return self._split(rows, path, specs)
-
     def _run_parts(
         self,
         call: _Call,
@@ -417,7 +458,9 @@ class EncoderGraphManager:
         rows: Rows = [None] * len(specs)
         for part in parts:
             part_inputs = self.encoder.select_items(inputs, part)
-            part_rows = self._run_path(call, path, part_inputs, [specs[i] for i in part])
+            part_specs = [specs[i] for i in part]
+            route = self._route(call, path, part_inputs, part_specs)
+            part_rows = self._run_route(call, route, path, part_inputs, part_specs)
             for index, item_rows in zip(part, part_rows, strict=True):
                 rows[index] = item_rows
         return rows
@@ -453,6 +496,20 @@ class EncoderGraphManager:
         self.stats.compile_seconds += seconds
 
 
+@dataclass(frozen=True)
+class _Route:
+    """How one path of one sub-batch runs: a graph, parts of its own, or eagerly."""
+
+    tokens: int
+    key: GraphKey | None = None
+    graph: CapturedGraph | None = None
+    parts: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def eager(self) -> bool:
+        return self.graph is None and not self.parts
+
+
 class _Call:
     """What one call carries through its sub-batches: its graph set (None runs
     everything eagerly) and whether the caller was in inference mode."""
@@ -462,3 +519,12 @@ class _Call:
     def __init__(self, graph_set: GraphSet | None, inference_mode: bool) -> None:
         self.graph_set = graph_set
         self.inference_mode = inference_mode
+
+
+def _scatter(
+    outputs: list[dict[str, torch.Tensor]], indices: list[int], path: str, rows: Rows
+) -> None:
+    """Put a sub-batch's rows of ``path`` into the per-item outputs."""
+    for index, item_rows in zip(indices, rows, strict=True):
+        if item_rows is not None:
+            outputs[index][path] = item_rows
