@@ -36,33 +36,51 @@ from torch.utils._pytree import (
 
 
 @dataclass(frozen=True)
+class FieldLayout:
+    """One tensor of a structured output: its shape after the batch dimension and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:
+        """Columns the field takes in a row."""
+        return functools.reduce(lambda a, b: a * b, self.shape, 1)
+
+
+@dataclass(frozen=True)
 class RowLayout:
     """Where each field of a structured output lies in a row tensor.
 
     Attributes:
         treespec: the output's structure (its class, field names, nesting).
-        shapes: each field's shape after the batch dimension, in leaf order.
-        dtypes: each field's dtype; rows hold them in their promoted dtype
-            (exact for mixed floating precisions and booleans).
+        fields: per leaf of the structure, a :class:`FieldLayout`, or None for a
+            None leaf (which takes no columns and comes back as None). Rows hold
+            the fields in their promoted dtype (exact for mixed floating
+            precisions and booleans).
     """
 
     treespec: TreeSpec
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
+    fields: tuple[FieldLayout | None, ...]
 
     @classmethod
     def of(cls, output: Any, batch_size: int) -> RowLayout:
         """The layout of ``output``, a structure of tensors with ``batch_size`` rows each.
 
         Raises:
-            TypeError: no field is a tensor, a field is not a tensor, or not batch-first (its first
-                dimension is not ``batch_size``); the message names the field.
+            TypeError: no field is a tensor, a field is neither a tensor nor None,
+                or a tensor is not batch-first (its first dimension is not
+                ``batch_size``); the message names the field.
         """
         leaves, treespec = tree_flatten_with_path(output)
-        if not leaves:
+        if not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
             raise TypeError(f"the output {type(output).__name__} holds no tensors")
+        fields = []
         for path, leaf in leaves:
             field = keystr(path) or "the output"
+            if leaf is None:
+                fields.append(None)
+                continue
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(
                     f"{field} is a {type(leaf).__name__}; only tensors with the items as "
@@ -73,25 +91,19 @@ class RowLayout:
                     f"{field} has shape {list(leaf.shape)} for a batch of {batch_size} items; "
                     "only outputs with the items as rows of dim 0 can be split per item"
                 )
-        tensors = [leaf for _, leaf in leaves]
-        return cls(
-            treespec=treespec,
-            shapes=tuple(tuple(leaf.shape[1:]) for leaf in tensors),
-            dtypes=tuple(leaf.dtype for leaf in tensors),
-        )
-
-    @property
-    def widths(self) -> list[int]:
-        """Columns each field takes in a row."""
-        return [_numel(shape) for shape in self.shapes]
+            fields.append(FieldLayout(tuple(leaf.shape[1:]), leaf.dtype))
+        return cls(treespec, tuple(fields))
 
     def unflatten(self, rows: torch.Tensor) -> Any:
         """The output of the items whose rows are ``rows [N, W]``, fields contiguous."""
         count = rows.shape[0]
-        columns = rows.split(self.widths, dim=1)
+        tensors = [field for field in self.fields if field is not None]
+        columns = iter(rows.split([field.width for field in tensors], dim=1))
         leaves = [
-            column.reshape(count, *shape).to(dtype).contiguous()
-            for column, shape, dtype in zip(columns, self.shapes, self.dtypes, strict=True)
+            None
+            if field is None
+            else next(columns).reshape(count, *field.shape).to(field.dtype).contiguous()
+            for field in self.fields
         ]
         return tree_unflatten(leaves, self.treespec)
 
@@ -102,11 +114,7 @@ def output_rows(output: Any, batch_size: int) -> torch.Tensor:
     Traceable: no host syncs, only reshapes and one concatenation (none for a
     single tensor), so a graph forward may end with it.
     """
-    leaves = tree_leaves(output)
+    leaves = [leaf for leaf in tree_leaves(output) if leaf is not None]
     dtype = functools.reduce(torch.promote_types, (leaf.dtype for leaf in leaves))
     flat = [leaf.reshape(batch_size, -1).to(dtype) for leaf in leaves]
     return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return functools.reduce(lambda a, b: a * b, shape, 1)
