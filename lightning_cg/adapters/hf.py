@@ -12,14 +12,17 @@ batch row is one item costing one token on the path ``image``; beyond it:
   the tower config's defaults for them, so each combination gets its own
   graphs; tensors with a row per item (``bool_masked_pos``, attention masks)
   are static buffers padded and split like the pixels; any other tensor
-  (``head_mask``) is a static buffer copied whole into every replay.
+  (``head_mask``) is a static buffer copied whole into every replay. A tower
+  that reads such a tensor on the host (transformers checks a DINOv2
+  ``attention_mask`` with ``.all()``) cannot be captured: on CUDA the manager
+  then runs the path eagerly and warns why.
 - **Outputs.** Every tensor of the output (a ``ModelOutput``, a tuple, a dict,
   nested tuples of hidden states) is flattened into one row per item
   (:mod:`~lightning_cg.adapters.structured`) and rebuilt afterwards: the same
   type, the same fields, None fields None, ``return_dict=False`` a tuple.
 
-transformers is optional (``pip install 'lightning-cg[hf]'``); this module does
-not import it.
+transformers is optional (``pip install 'lightning-cg[hf]'``): importing this
+module does not import it; building the adapter does.
 """
 
 from __future__ import annotations
@@ -262,12 +265,11 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
     # ------------------------------------------------------------ internals
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """The call's arguments by name, defaults included, ``**kwargs`` spread out."""
+        """The call's arguments by name, ``**kwargs`` spread out; defaults left to the forward."""
         try:
             bound = self._call.bind(*args, **kwargs)
         except TypeError as error:
             raise ValueError(self._convention_message(f"the call does not bind: {error}")) from None
-        bound.apply_defaults()
         arguments: dict[str, Any] = {}
         for name, value in bound.arguments.items():
             kind = self._call.parameters[name].kind
