@@ -183,6 +183,30 @@ def test_a_dict_tower_with_shared_and_per_item_tensors():
     assert_same_output(execute(manager, x, other_scale), eager(tower, x, other_scale))
 
 
+class MixedPrecisionTower(nn.Module):
+    """Returns a field that autocast computes in bfloat16 beside one it leaves in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+
+    def forward(self, pixel_values):
+        return self.proj(pixel_values), pixel_values.float() * 2
+
+
+def test_fields_keep_their_dtypes_with_and_without_autocast():
+    torch.manual_seed(0)
+    tower = MixedPrecisionTower()
+    manager = manager_for(tower)
+    x = torch.randn(5, 4)
+    for autocast in (True, False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = execute(manager, x)
+            expected = eager(tower, x)
+        assert expected[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+        assert_same_output(out, expected)
+
+
 def test_gradients_flow_when_grad_is_enabled():
     tower = tiny_tower("clip")
     manager = manager_for(tower)
