@@ -29,6 +29,7 @@ import torch
 from torch.utils._pytree import (
     TreeSpec,
     keystr,
+    tree_flatten,
     tree_flatten_with_path,
     tree_leaves,
     tree_unflatten,
@@ -72,12 +73,11 @@ class RowLayout:
                 or a tensor is not batch-first (its first dimension is not
                 ``batch_size``); the message names the field.
         """
-        leaves, treespec = tree_flatten_with_path(output)
+        leaves, treespec = _named_leaves(output)
         if not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
             raise TypeError(f"the output {type(output).__name__} holds no tensors")
         fields = []
-        for path, leaf in leaves:
-            field = keystr(path) or "the output"
+        for field, leaf in leaves:
             if leaf is None:
                 fields.append(None)
                 continue
@@ -118,3 +118,17 @@ def output_rows(output: Any, batch_size: int) -> torch.Tensor:
     dtype = functools.reduce(torch.promote_types, (leaf.dtype for leaf in leaves))
     flat = [leaf.reshape(batch_size, -1).to(dtype) for leaf in leaves]
     return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
+
+
+def _named_leaves(output: Any) -> tuple[list[tuple[str, Any]], TreeSpec]:
+    """The leaves of ``output`` with their paths for messages (``.hidden_states[2]``),
+    or their positions where the structure cannot say (older transformers releases register
+    ModelOutput without key paths)."""
+    try:
+        leaves, treespec = tree_flatten_with_path(output)
+    except ValueError:
+        leaves, treespec = tree_flatten(output)
+        return [
+            (f"field {index} of the output", leaf) for index, leaf in enumerate(leaves)
+        ], treespec
+    return [(keystr(path) or "the output", leaf) for path, leaf in leaves], treespec
