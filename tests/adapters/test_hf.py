@@ -231,6 +231,7 @@ def test_piecewise_mode_splits_the_tower_at_attention():
     assert manager.stats.piecewise_hits > 0
 
 
+@pytest.mark.slow  # dynamo traces the tower: seconds
 def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     tower = tiny_tower("clip")
     encoder = CompiledEncoder(HFEncoderAdapter(tower), backend="eager")
