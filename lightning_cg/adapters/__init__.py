@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 from lightning_cg.encoder import GraphableEncoder
 
-ADAPTERS = ("packed", "batched")
+ADAPTERS = ("packed", "batched", "hf")
 #: Module prefixes of libraries whose towers are called as tower(x [B, ...]).
 BATCH_FIRST_LIBRARIES = ("torchvision.models", "timm.")
 
@@ -20,11 +21,17 @@ def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
     Args:
         tower: the vision tower.
         name: ``packed`` (``tower(pixel_patches, grid_thw)``), ``batched``
-            (``tower(x)``, items are batch rows) or None to choose by type: a tower
-            that implements GraphableEncoder itself is used as it is.
+            (``tower(x)``, items are batch rows, one tensor out), ``hf``
+            (``tower(pixel_values=x, **options)``, items are batch rows, a
+            ``ModelOutput``, tuple or dict of tensors out: transformers towers;
+            needs ``pip install 'lightning-cg[hf]'``) or None to choose by type:
+            a tower that implements GraphableEncoder itself is used as it is.
 
     Raises:
         ValueError: for an unknown name, or a tower no adapter fits.
+        TypeError: the named adapter cannot serve the tower (the message says
+            what it lacks).
+        ImportError: ``hf`` without transformers installed.
     """
     if name is not None and name not in ADAPTERS:
         raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)} or None; got {name!r}")
@@ -36,21 +43,32 @@ def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
         from lightning_cg.adapters.packed import PackedEncoderAdapter
 
         return PackedEncoderAdapter(tower)
+    if name == "hf":
+        from lightning_cg.adapters.hf import HFEncoderAdapter
+
+        return HFEncoderAdapter(tower)
     from lightning_cg.adapters.batched import BatchedEncoderAdapter
 
     return BatchedEncoderAdapter(tower)
 
 
 def _adapter_name_by_type(tower: nn.Module) -> str:
+    from lightning_cg.adapters.hf import is_transformers_tower
     from lightning_cg.models.packed_vit import PackedViT
 
     if isinstance(tower, PackedViT):
         return "packed"
     if type(tower).__module__.startswith(BATCH_FIRST_LIBRARIES):
         return "batched"
+    if is_transformers_tower(tower):
+        return "hf"
     raise ValueError(
-        f"no adapter fits a tower of type {type(tower).__qualname__}: pass adapter='batched' "
-        "for a tower called as tower(x) with items as batch rows, adapter='packed' for "
+        f"no adapter fits a tower of type {type(tower).__qualname__} (forward"
+        f"{inspect.signature(tower.forward)}): it is not a PackedViT, a torchvision or timm "
+        "model, nor a transformers model whose forward takes pixel_values. Pass "
+        "adapter='batched' for a tower called as tower(x) with items as batch rows that "
+        "returns one tensor, adapter='hf' for tower(pixel_values=x, **options) returning a "
+        "ModelOutput, tuple or dict of batch-first tensors, adapter='packed' for "
         "tower(pixel_patches, grid_thw), or implement lightning_cg.encoder.GraphableEncoder "
         "on the tower (graph_config, item_specs, capture_inputs, graph_forward, ...; see README)"
     )

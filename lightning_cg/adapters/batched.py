@@ -2,8 +2,9 @@
 
 Each batch row is one item costing one token on the single path ``image``, so a
 token budget is simply a batch size. torchvision's ``vit_b_16`` and ``resnet50``
-and timm models fit as they are; a tower whose call takes more than one tensor,
-or returns more than one, needs its own :class:`~lightning_cg.encoder.GraphableEncoder`.
+and timm models fit as they are. A tower called with options or returning more
+than one tensor (a ``ModelOutput``, a tuple, a dict) fits
+:class:`~lightning_cg.adapters.hf.HFEncoderAdapter`, built on the pieces here.
 """
 
 from __future__ import annotations
@@ -95,14 +96,7 @@ class BatchedEncoderAdapter:
 
     def select_items(self, inputs: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         """The rows at ``indices``, in that order (a view when they are consecutive)."""
-        consecutive = as_slice(indices)
-        if consecutive is not None:
-            return inputs[consecutive]
-        # From pinned memory: a pageable host-to-device copy would wait for the GPU.
-        index = torch.as_tensor(indices, dtype=torch.long)
-        if inputs.is_cuda:
-            index = index.pin_memory().to(inputs.device, non_blocking=True)
-        return inputs[index]
+        return select_rows(inputs, indices)
 
     def graph_signature(self, inputs: torch.Tensor) -> Hashable:
         """Per-item shape, dtype and device: 224 px and 384 px batches get separate graphs."""
@@ -112,10 +106,7 @@ class BatchedEncoderAdapter:
         """A batch of ``spec.token_budget`` random rows of the signature's shape."""
         self._check_path(spec.path)
         item_shape, dtype, device = spec.signature
-        shape = (spec.token_budget, *item_shape)
-        if dtype.is_floating_point:
-            return {"x": torch.randn(shape, dtype=dtype, device=device)}
-        return {"x": torch.zeros(shape, dtype=dtype, device=device)}
+        return {"x": dummy_rows(spec.token_budget, item_shape, dtype, device)}
 
     def replay_inputs(self, path: str, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch itself; the manager zero-pads it up to the budget."""
@@ -153,9 +144,11 @@ class BatchedEncoderAdapter:
     def _convention_message(self, got: str) -> str:
         return (
             f"BatchedEncoderAdapter serves towers called as tower(x) with one batch-first "
-            f"tensor x [B, ...] that return one tensor [B, ...]; {got}. Implement "
-            f"lightning_cg.encoder.GraphableEncoder for {type(self.tower).__name__} to graph "
-            "other calling conventions or structured outputs."
+            f"tensor x [B, ...] that return one tensor [B, ...]; {got}. For "
+            f"{type(self.tower).__name__}, use adapter='hf' if it takes keyword options or "
+            "returns a ModelOutput, a tuple or a dict of batch-first tensors (transformers "
+            "towers), or implement lightning_cg.encoder.GraphableEncoder for other calling "
+            "conventions."
         )
 
     def _check_path(self, path: str) -> None:
@@ -163,3 +156,25 @@ class BatchedEncoderAdapter:
             raise ValueError(
                 f"unknown encoder path {path!r}; BatchedEncoderAdapter has only 'image'"
             )
+
+
+def select_rows(batch: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    """The rows of ``batch`` at ``indices``, in that order (a view when they are consecutive)."""
+    consecutive = as_slice(indices)
+    if consecutive is not None:
+        return batch[consecutive]
+    # From pinned memory: a pageable host-to-device copy would wait for the GPU.
+    index = torch.as_tensor(indices, dtype=torch.long)
+    if batch.is_cuda:
+        index = index.pin_memory().to(batch.device, non_blocking=True)
+    return batch[index]
+
+
+def dummy_rows(
+    count: int, item_shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Valid capture data: ``count`` random rows (zeros for integer and boolean dtypes)."""
+    shape = (count, *item_shape)
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -113,6 +113,10 @@ class PackedEncoderAdapter:
         max_token_budget: largest local budget by default; None is
             ``max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)``.
 
+    Raises:
+        TypeError: the tower lacks methods or config fields of :class:`PackedTower`.
+        ValueError: a budget or frame count is out of range.
+
     Example:
         >>> from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
         >>> tower = PackedViT(PackedViTConfig(hidden_size=64, depth=2, num_heads=4,
@@ -139,6 +143,7 @@ class PackedEncoderAdapter:
                 f"max_token_budget ({max_token_budget}) must be None or >= "
                 f"min_token_budget ({min_token_budget})"
             )
+        _check_packed_tower(tower)
         self.tower = tower
         self.max_frames_per_item = max_frames_per_item
         self.min_token_budget = min_token_budget
@@ -332,6 +337,23 @@ class PackedEncoderAdapter:
     def _check_path(self, path: str) -> None:
         if path not in PATHS:
             raise ValueError(f"unknown encoder path {path!r}; allowed: {', '.join(PATHS)}")
+
+
+def _check_packed_tower(tower: object) -> None:
+    """Raise a TypeError naming what ``tower`` lacks of :class:`PackedTower`."""
+    methods = [name for name in PackedTower.__dict__ if not name.startswith("_")]
+    missing = [f"{name}()" for name in methods if not callable(getattr(tower, name, None))]
+    config = getattr(tower, "config", None)
+    missing += [
+        f"config.{name}" for name in PackedTowerConfig.__annotations__ if not hasattr(config, name)
+    ]
+    if missing:
+        raise TypeError(
+            f"adapter='packed' needs a tower with the PackedTower interface of "
+            f"lightning_cg.adapters.packed (PackedViT has it); {type(tower).__qualname__} "
+            f"lacks {', '.join(missing)}. Give the tower those methods and config fields, "
+            "or implement lightning_cg.encoder.GraphableEncoder for it."
+        )
 
 
 def _describe(value: object) -> str:

@@ -1,0 +1,413 @@
+"""GraphableEncoder for batch-first towers with call options and structured outputs.
+
+Hugging Face transformers vision towers (``CLIPVisionModel``, ``SiglipVisionModel``,
+``Dinov2Model``, ``ViTModel``, ...) are called as ``tower(pixel_values=x, **options)``
+and return a ``ModelOutput``. As for :mod:`~lightning_cg.adapters.batched`, every
+batch row is one item costing one token on the path ``image``; beyond it:
+
+- **Calls.** ``pixel_values`` (or the forward's first parameter) comes by
+  position or by name. Other arguments are sorted by kind: flags and other
+  hashable values (``interpolate_pos_encoding``, ``output_hidden_states``,
+  ``output_attentions``, ``return_dict``) belong to the graph signature, with
+  the tower config's defaults for them, so each combination gets its own
+  graphs; tensors with a row per item (``bool_masked_pos``, attention masks)
+  are static buffers padded and split like the pixels; any other tensor
+  (``head_mask``) is a static buffer copied whole into every replay. A tower
+  that reads such a tensor on the host (transformers checks a DINOv2
+  ``attention_mask`` with ``.all()``) cannot be captured: on CUDA the manager
+  then runs the path eagerly and warns why.
+- **Outputs.** Every tensor of the output (a ``ModelOutput``, a tuple, a dict,
+  nested tuples of hidden states) is flattened into one row per item
+  (:mod:`~lightning_cg.adapters.structured`) and rebuilt afterwards: the same
+  type, the same fields, None fields None, ``return_dict=False`` a tuple.
+
+transformers is optional (``pip install 'lightning-cg[hf]'``): importing this
+module does not import it; building the adapter does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_cg.adapters import join_rows
+from lightning_cg.adapters.batched import (
+    IMAGE_PATH,
+    BatchedEncoderAdapter,
+    dummy_rows,
+    select_rows,
+)
+from lightning_cg.adapters.structured import RowLayout, output_rows
+from lightning_cg.encoder import CaptureSpec, ItemSpec
+
+#: Where to get the optional dependency.
+INSTALL_HINT = "pip install 'lightning-cg[hf]'"
+#: Tensor arguments that hold one row per item: padded and split with the pixels.
+PER_ITEM_INPUTS = ("bool_masked_pos", "attention_mask", "pixel_attention_mask", "pixel_mask")
+#: Tensor arguments that apply to the whole batch: copied whole into every replay.
+SHARED_INPUTS = ("head_mask",)
+#: Config fields that transformers reads when the call leaves them out: they
+#: change the computation or the output, so they join the graph signature.
+CONFIG_FLAGS = ("return_dict", "output_hidden_states", "output_attentions", "_attn_implementation")
+#: Separates an argument's name from its call's index in a static buffer's name.
+_CALL_MARK = "@"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape (per item for batched tensors), dtype and device of a tensor argument."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class HFCallSignature:
+    """What one set of graphs is captured for.
+
+    Attributes:
+        pixels: the per-item shape, dtype and device of the pixel batch.
+        per_item: tensor arguments with a row per item, by name.
+        shared: tensor arguments of the whole batch, by name.
+        options: every other argument (flags, None), by name.
+        config: the tower config's :data:`CONFIG_FLAGS`.
+    """
+
+    pixels: TensorSpec
+    per_item: tuple[tuple[str, TensorSpec], ...]
+    shared: tuple[tuple[str, TensorSpec], ...]
+    options: tuple[tuple[str, Hashable], ...]
+    config: tuple[tuple[str, Hashable], ...]
+
+
+@dataclass(frozen=True)
+class HFInputs:
+    """One call of the tower, sorted by kind of argument.
+
+    Attributes:
+        pixels: the pixel batch, ``[B, ...]``.
+        per_item: tensor arguments with ``B`` rows, split with the pixels.
+        shared: tensor arguments passed whole to every sub-batch.
+        signature: the call's :class:`HFCallSignature` (its options included).
+    """
+
+    pixels: torch.Tensor
+    per_item: Mapping[str, torch.Tensor]
+    shared: Mapping[str, torch.Tensor]
+    signature: HFCallSignature
+
+
+class HFEncoderAdapter(BatchedEncoderAdapter):
+    """Graph a batch-first tower called with options that returns structured outputs.
+
+    Args:
+        tower: a module called as ``tower(pixel_values [B, ...], **options)``
+            (``pixel_values`` or the forward's first parameter, by position or
+            name) returning tensors of ``B`` rows: one, or a ``ModelOutput``, a
+            tuple or a dict of them, nested or not.
+        max_batch_size: the largest batch (token budget) worth a graph by default.
+        per_item_inputs: names of tensor arguments with a row per item.
+        shared_inputs: names of tensor arguments for the whole batch. A tensor
+            argument named in neither is per item when its first dimension is the
+            batch size, else shared.
+
+    Raises:
+        ImportError: transformers is not installed.
+        TypeError: the tower's forward takes no argument to carry the pixels.
+
+    Example:
+        >>> from transformers import CLIPVisionConfig, CLIPVisionModel
+        >>> from lightning_cg.manager import EncoderGraphManager
+        >>> tower = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8))
+        >>> manager = EncoderGraphManager(HFEncoderAdapter(tower.eval()))
+        >>> out = manager.execute(manager.encoder.inputs_from_call((), {
+        ...     "pixel_values": torch.randn(3, 3, 32, 32), "output_hidden_states": True}))
+        >>> type(out).__name__, out.pooler_output.shape, len(out.hidden_states)
+        ('BaseModelOutputWithPooling', torch.Size([3, 32]), 3)
+    """
+
+    def __init__(
+        self,
+        tower: nn.Module,
+        max_batch_size: int = 64,
+        per_item_inputs: Sequence[str] = PER_ITEM_INPUTS,
+        shared_inputs: Sequence[str] = SHARED_INPUTS,
+    ) -> None:
+        require_transformers("adapter='hf'")
+        super().__init__(tower, max_batch_size)
+        self._call = inspect.signature(self._forward)
+        parameters = self._call.parameters
+        if "pixel_values" in parameters:
+            self._input_name = "pixel_values"
+        elif self._input_name is None or parameters[self._input_name].kind in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        ):
+            raise TypeError(
+                f"HFEncoderAdapter serves towers called as tower(pixel_values, **options); "
+                f"the forward of {type(tower).__name__} takes {self._call}, with no parameter "
+                "for the pixel batch. Implement lightning_cg.encoder.GraphableEncoder for it."
+            )
+        self.per_item_inputs = tuple(per_item_inputs)
+        self.shared_inputs = tuple(shared_inputs)
+        #: Call signatures by index, in order of first use; a buffer name carries the index.
+        self._signatures: list[HFCallSignature] = []
+        self._signature_index: dict[HFCallSignature, int] = {}
+        self._layouts: dict[tuple[HFCallSignature, tuple], RowLayout] = {}
+
+    def inputs_from_call(self, args: tuple, kwargs: dict) -> HFInputs:
+        """Sort a call's arguments into pixels, per-item and shared tensors, and options.
+
+        Raises:
+            ValueError: the call does not bind to the forward, has no pixel batch,
+                has a per-item tensor of another row count than the pixels, or an
+                option that is neither a tensor nor hashable; the message names it.
+        """
+        arguments = self._bind(args, kwargs)
+        pixels = arguments.pop(self._input_name, None)
+        if not isinstance(pixels, torch.Tensor) or pixels.dim() < 1:
+            raise ValueError(
+                self._convention_message(
+                    f"{self._input_name} is {type(pixels).__name__}, not a batch tensor"
+                )
+            )
+        per_item: dict[str, torch.Tensor] = {}
+        shared: dict[str, torch.Tensor] = {}
+        options: dict[str, Hashable] = {}
+        for name, value in arguments.items():
+            if isinstance(value, torch.Tensor):
+                target = per_item if self._is_per_item(name, value, len(pixels)) else shared
+                target[name] = value
+            else:
+                options[name] = _hashable_option(name, value)
+        signature = HFCallSignature(
+            pixels=_batched_spec(pixels),
+            per_item=tuple((name, _batched_spec(value)) for name, value in per_item.items()),
+            shared=tuple((name, _whole_spec(value)) for name, value in shared.items()),
+            options=tuple(options.items()),
+            config=self._config_flags(),
+        )
+        self._index_of(signature)
+        return HFInputs(pixels, per_item, shared, signature)
+
+    def item_specs(self, inputs: HFInputs) -> list[ItemSpec]:
+        """One single-token item per row of the pixel batch."""
+        return super().item_specs(inputs.pixels)
+
+    def select_items(self, inputs: HFInputs, indices: Sequence[int]) -> HFInputs:
+        """The pixel rows and per-item rows at ``indices``; shared tensors whole."""
+        return HFInputs(
+            select_rows(inputs.pixels, indices),
+            {name: select_rows(value, indices) for name, value in inputs.per_item.items()},
+            inputs.shared,
+            inputs.signature,
+        )
+
+    def graph_signature(self, inputs: HFInputs) -> Hashable:
+        """Per-item shapes, dtypes and devices of the tensors, and the options."""
+        return inputs.signature
+
+    def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
+        """Random pixels and zero per-item tensors of ``spec.token_budget`` rows; ones
+        for shared tensors."""
+        self._check_path(spec.path)
+        signature: HFCallSignature = spec.signature
+        batched = [(self._input_name, signature.pixels), *signature.per_item]
+        buffers = {
+            name: dummy_rows(spec.token_budget, item.shape, item.dtype, item.device)
+            for name, item in batched
+        }
+        for name, whole in signature.shared:
+            buffers[name] = torch.ones((1, *whole.shape), dtype=whole.dtype, device=whole.device)
+        return self._named_for(signature, buffers)
+
+    def replay_inputs(self, path: str, inputs: HFInputs) -> dict[str, torch.Tensor]:
+        """The pixel and per-item rows, and each shared tensor as one row."""
+        self._check_path(path)
+        return self._named_for(inputs.signature, self._tensors(inputs, shared_as_row=True))
+
+    def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The original forward on the static buffers, its output flattened to rows."""
+        self._check_path(path)
+        signature, tensors = self._unnamed(buffers)
+        batch_size = tensors[self._input_name].shape[0]
+        for name, _ in signature.shared:
+            tensors[name] = tensors[name][0]
+        output = self._forward(**tensors, **dict(signature.options))
+        if not torch.compiler.is_compiling():
+            self._remember_layout(signature, output, batch_size)
+        return output_rows(output, batch_size)
+
+    def eager_forward(self, path: str, inputs: HFInputs) -> torch.Tensor:
+        """The original forward on exactly ``inputs``, its output flattened to rows."""
+        self._check_path(path)
+        output = self._run_call(inputs)
+        self._remember_layout(inputs.signature, output, len(inputs.pixels))
+        return output_rows(output, len(inputs.pixels))
+
+    def postprocess(self, outputs: list[dict[str, torch.Tensor]], inputs: HFInputs) -> Any:
+        """The tower's own output type and fields, joined from the items' rows.
+
+        An empty batch runs the tower on the empty input.
+        """
+        if not outputs:
+            return self._run_call(inputs)
+        return self._layout(inputs).unflatten(join_rows([item[IMAGE_PATH] for item in outputs]))
+
+    # ------------------------------------------------------------ internals
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by name, ``**kwargs`` spread out; defaults left to the forward."""
+        try:
+            bound = self._call.bind(*args, **kwargs)
+        except TypeError as error:
+            raise ValueError(self._convention_message(f"the call does not bind: {error}")) from None
+        arguments: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = self._call.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise ValueError(
+                        self._convention_message(
+                            f"{len(value)} extra positional arguments for *{name}"
+                        )
+                    )
+            else:
+                arguments[name] = value
+        return arguments
+
+    def _is_per_item(self, name: str, value: torch.Tensor, batch_size: int) -> bool:
+        rows_match = value.dim() > 0 and value.shape[0] == batch_size
+        if name in self.shared_inputs:
+            return False
+        if name in self.per_item_inputs and not rows_match:
+            raise ValueError(
+                f"{name} has shape {list(value.shape)}; as a per-item input it needs "
+                f"{batch_size} rows, one per row of {self._input_name}"
+            )
+        return rows_match
+
+    def _config_flags(self) -> tuple[tuple[str, Hashable], ...]:
+        config = getattr(self.tower, "config", None)
+        return tuple((flag, getattr(config, flag, None)) for flag in CONFIG_FLAGS)
+
+    def _tensors(self, inputs: HFInputs, shared_as_row: bool = False) -> dict[str, torch.Tensor]:
+        tensors = {self._input_name: inputs.pixels, **inputs.per_item}
+        for name, value in inputs.shared.items():
+            # A static buffer is indexed by rows: a shared tensor is one row of it.
+            tensors[name] = value.unsqueeze(0) if shared_as_row else value
+        return tensors
+
+    def _run_call(self, inputs: HFInputs) -> Any:
+        return self._forward(**self._tensors(inputs), **dict(inputs.signature.options))
+
+    def _named_for(
+        self, signature: HFCallSignature, tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        # graph_forward gets nothing but the buffers (piecewise tracing rebuilds
+        # the dict from the same names), so their names carry the call's index.
+        index = self._index_of(signature)
+        return {f"{name}{_CALL_MARK}{index}": tensor for name, tensor in tensors.items()}
+
+    def _unnamed(
+        self, buffers: Mapping[str, torch.Tensor]
+    ) -> tuple[HFCallSignature, dict[str, torch.Tensor]]:
+        tensors, indices = {}, set()
+        for buffer_name, tensor in buffers.items():
+            name, _, index = buffer_name.rpartition(_CALL_MARK)
+            tensors[name] = tensor
+            indices.add(int(index))
+        (index,) = indices
+        return self._signatures[index], tensors
+
+    def _index_of(self, signature: HFCallSignature) -> int:
+        index = self._signature_index.get(signature)
+        if index is None:
+            index = self._signature_index[signature] = len(self._signatures)
+            self._signatures.append(signature)
+        return index
+
+    def _remember_layout(self, signature: HFCallSignature, output: Any, batch_size: int) -> None:
+        key = (signature, _autocast_state())
+        if key not in self._layouts:
+            self._layouts[key] = RowLayout.of(output, batch_size)
+
+    def _layout(self, inputs: HFInputs) -> RowLayout:
+        """The layout of this call's outputs; a compiled graph forward records none,
+        so then one item runs eagerly once to learn it."""
+        key = (inputs.signature, _autocast_state())
+        if key not in self._layouts:
+            with torch.no_grad():
+                self.eager_forward(IMAGE_PATH, self.select_items(inputs, [0]))
+        return self._layouts[key]
+
+    def _convention_message(self, got: str) -> str:
+        return (
+            f"HFEncoderAdapter serves towers called as tower({self._input_name}=x [B, ...], "
+            f"**options) that return tensors of B rows; {got}. Implement "
+            f"lightning_cg.encoder.GraphableEncoder for {type(self.tower).__name__} to graph "
+            "other calling conventions."
+        )
+
+
+def require_transformers(what: str) -> Any:
+    """The transformers module, or an ImportError that says how to install it."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            f"{what} needs the optional dependency transformers, which is not installed: "
+            f"{INSTALL_HINT}"
+        ) from error
+    return transformers
+
+
+def is_transformers_tower(tower: nn.Module) -> bool:
+    """Whether ``tower`` is a transformers ``PreTrainedModel`` whose forward takes
+    ``pixel_values`` (the towers :class:`HFEncoderAdapter` is chosen for by type).
+
+    Never imports transformers: without it loaded no tower can be one of its models.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(tower, transformers.PreTrainedModel):
+        return False
+    return "pixel_values" in inspect.signature(type(tower).forward).parameters
+
+
+def _batched_spec(tensor: torch.Tensor) -> TensorSpec:
+    return TensorSpec(tuple(tensor.shape[1:]), tensor.dtype, tensor.device)
+
+
+def _whole_spec(tensor: torch.Tensor) -> TensorSpec:
+    return TensorSpec(tuple(tensor.shape), tensor.dtype, tensor.device)
+
+
+def _hashable_option(name: str, value: Any) -> Hashable:
+    try:
+        hash(value)
+    except TypeError:
+        raise ValueError(
+            f"argument {name}={value!r} is neither a tensor nor hashable; graphs are "
+            "captured per value of every non-tensor argument, so it must be hashable "
+            "(a bool, a number, a string, None, a tuple)"
+        ) from None
+    return value
+
+
+def _autocast_state() -> tuple:
+    """The autocast dtypes in force: they change the dtypes of the output fields."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cuda", "cpu")
+        if torch.is_autocast_enabled(device)
+    )
