@@ -410,3 +410,47 @@ def test_a_sub_batch_of_every_item_in_order_is_not_gathered(monkeypatch):
             run(manager, tokens, lengths), manager.encoder.tower(tokens, lengths)
         )
     assert len(gathered) == 2 and sorted(sum(gathered, [])) == [0, 1, 2]
+
+
+def test_min_padding_packing_pads_less_than_next_fit():
+    tower = ToyTower().eval()
+    tokens, lengths = make_batch(random.Random(12), [10, 30, 10, 20])
+    served = {}
+    for packing in ("next_fit", "min_padding"):
+        manager = manager_for(tower, budgets=BudgetConfig(budgets=[16, 32, 64]), packing=packing)
+        with torch.no_grad():
+            assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+        served[packing] = (manager.stats.padded_tokens, manager.stats.sub_batches)
+    # next_fit: [10, 10, 20] in budget 64, [30] in 32; min_padding: [10] in 16, [10, 20, 30] in 64.
+    assert served == {"next_fit": (26, 2), "min_padding": (10, 2)}
+
+
+@pytest.mark.cuda
+def test_cuda_packed_outputs_survive_later_replays():
+    # One path and one sub-batch: the packed adapter returns a view of the rows
+    # the manager hands it, so only the manager's clone keeps them off the graph's buffer.
+    torch.manual_seed(0)
+    config = PackedViTConfig(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
+    tower = PackedViT(config).cuda().eval()
+    adapter = PackedEncoderAdapter(tower, min_token_budget=4)
+    manager = EncoderGraphManager(adapter, budgets=BudgetConfig(budgets=[32]), max_items=2)
+
+    def call(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        images = [
+            torch.randn(3, 16, 16, generator=generator),
+            torch.randn(3, 8, 16, generator=generator),
+        ]
+        patches, grid_thw = patchify(images, config.patch_size)
+        return patches.cuda(), grid_thw.cuda()
+
+    with torch.no_grad():
+        first_call = call(0)
+        first = manager.execute(adapter.inputs_from_call(first_call, {}))
+        snapshot = first.clone()
+        for seed in (1, 2):  # the same graph, other inputs
+            manager.execute(adapter.inputs_from_call(call(seed), {}))
+        expected = tower(*first_call)
+    assert manager.stats.hits == 3 and manager.stats.graphs > 0
+    assert torch.equal(first, snapshot)
+    assert relative_error(first, expected) < 1e-4
