@@ -454,3 +454,50 @@ def test_cuda_packed_outputs_survive_later_replays():
     assert manager.stats.hits == 3 and manager.stats.graphs > 0
     assert torch.equal(first, snapshot)
     assert relative_error(first, expected) < 1e-4
+
+
+def test_path_budgets_set_the_padding_of_their_path_only():
+    tower = ToyTower(global_tokens=4).eval()
+    tokens, lengths = make_batch(random.Random(13), [5, 6])  # local 11 tokens, global 8
+    padded = []
+    for path_budgets in (None, {"global": BudgetConfig(budgets=[32])}):
+        manager = manager_for(
+            tower, budgets=BudgetConfig(budgets=[16, 64]), path_budgets=path_budgets
+        )
+        with torch.no_grad():
+            assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+        padded.append(manager.stats.padded_tokens)
+    # local 11 -> 16 both times; global 8 -> 16, then -> 32.
+    assert padded == [5 + 8, 5 + 24]
+
+
+def test_uniform_item_counts_are_the_item_counts_uniform_graphs_serve():
+    tower = ToyTower().eval()
+    served = []
+    for counts in (None, [3]):
+        manager = manager_for(
+            tower,
+            mode="full_uniform_only",
+            budgets=BudgetConfig(budgets=[32]),
+            uniform_item_counts=counts,
+        )
+        with torch.no_grad():
+            for count in (2, 3):
+                tokens, lengths = make_batch(random.Random(count), [8] * count)
+                assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+                served.append((counts, count, manager.stats.hits))
+    # By default powers of two: 2 items have a graph, 3 do not; [3] the other way round.
+    assert served == [(None, 2, 1), (None, 3, 1), ([3], 2, 0), ([3], 3, 1)]
+
+
+def test_progress_is_told_of_every_capture_largest_budget_first():
+    told = []
+    manager = manager_for(
+        ToyTower().eval(),
+        budgets=BudgetConfig(budgets=[16, 32]),
+        progress=lambda done, total, spec: told.append((done, total, spec.path, spec.token_budget)),
+    )
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(14), [5]))
+        run(manager, *make_batch(random.Random(15), [6]))  # captured already: not told again
+    assert told == [(1, 2, "local", 32), (2, 2, "local", 16)]
