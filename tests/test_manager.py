@@ -425,24 +425,39 @@ def test_min_padding_packing_pads_less_than_next_fit():
     assert served == {"next_fit": (26, 2), "min_padding": (10, 2)}
 
 
-@pytest.mark.cuda
-def test_cuda_packed_outputs_survive_later_replays():
-    # One path and one sub-batch: the packed adapter returns a view of the rows
-    # the manager hands it, so only the manager's clone keeps them off the graph's buffer.
+class StaticOutputAdapter(PackedEncoderAdapter):
+    """Returns each graph forward's rows in one output tensor per input buffer, as the
+    replay of a CUDA graph does: the next run overwrites them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs: dict[tuple, torch.Tensor] = {}
+
+    def graph_forward(self, path, buffers):
+        rows = super().graph_forward(path, buffers)
+        key = (path, buffers["pixel_patches"].data_ptr(), tuple(rows.shape))
+        return self.outputs.setdefault(key, torch.empty_like(rows)).copy_(rows)
+
+
+def check_packed_outputs_survive_later_replays(adapter_class: type, device: str) -> None:
+    # Two images in packing order that fill the budget: the packed adapter then
+    # returns a view of the rows the manager hands it, so only the manager's
+    # clone keeps them off the graph's output.
     torch.manual_seed(0)
     config = PackedViTConfig(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
-    tower = PackedViT(config).cuda().eval()
-    adapter = PackedEncoderAdapter(tower, min_token_budget=4)
+    tower = PackedViT(config).to(device).eval()
+    adapter = adapter_class(tower, min_token_budget=4)
     manager = EncoderGraphManager(adapter, budgets=BudgetConfig(budgets=[32]), max_items=2)
 
     def call(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
+        # 8 + 24 tokens: the budget's 32.
         images = [
-            torch.randn(3, 16, 16, generator=generator),
-            torch.randn(3, 8, 16, generator=generator),
+            torch.randn(3, 16, 32, generator=generator),
+            torch.randn(3, 32, 48, generator=generator),
         ]
         patches, grid_thw = patchify(images, config.patch_size)
-        return patches.cuda(), grid_thw.cuda()
+        return patches.to(device), grid_thw.to(device)
 
     with torch.no_grad():
         first_call = call(0)
@@ -451,9 +466,18 @@ def test_cuda_packed_outputs_survive_later_replays():
         for seed in (1, 2):  # the same graph, other inputs
             manager.execute(adapter.inputs_from_call(call(seed), {}))
         expected = tower(*first_call)
-    assert manager.stats.hits == 3 and manager.stats.graphs > 0
+    assert manager.stats.hits == 3 and manager.stats.padded_tokens == 0
     assert torch.equal(first, snapshot)
     assert relative_error(first, expected) < 1e-4
+
+
+def test_packed_outputs_survive_later_runs_of_a_static_output():
+    check_packed_outputs_survive_later_replays(StaticOutputAdapter, "cpu")
+
+
+@pytest.mark.cuda
+def test_cuda_packed_outputs_survive_later_replays():
+    check_packed_outputs_survive_later_replays(PackedEncoderAdapter, "cuda")
 
 
 def test_path_budgets_set_the_padding_of_their_path_only():
