@@ -525,3 +525,14 @@ def test_progress_is_told_of_every_capture_largest_budget_first():
         run(manager, *make_batch(random.Random(14), [5]))
         run(manager, *make_batch(random.Random(15), [6]))  # captured already: not told again
     assert told == [(1, 2, "local", 32), (2, 2, "local", 16)]
+
+
+@pytest.mark.parametrize(("budgets", "padded"), [([64], 64 - 12), ([12, 64], 0)])
+def test_budgets_set_the_budget_a_sub_batch_pads_to(budgets, padded):
+    # 12 tokens: the adapter's default ladder (8 to 64) would pad them to 16.
+    tower = ToyTower().eval()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=budgets))
+    tokens, lengths = make_batch(random.Random(16), [5, 7])
+    with torch.no_grad():
+        assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    assert (manager.stats.hits, manager.stats.padded_tokens) == (1, padded)
