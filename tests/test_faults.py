@@ -435,3 +435,50 @@ def test_cuda_out_of_memory_inside_a_capture_keeps_the_smaller_budgets():
     assert all(graph.cuda_graph is not None for graph in manager.cache.graphs())
     assert manager.stats.graphs == 2 and manager.stats.hits > 0
     assert torch.cuda.current_stream() == stream
+
+
+CUBLAS_ALLOC_FAILED = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+
+
+@pytest.mark.parametrize("capture_errors", ["raise", "eager"])
+def test_a_cublas_allocation_failure_costs_only_the_budgets_that_failed(capture_errors):
+    # cuBLAS reports running out of memory in its own words; the callback
+    # (capture_errors="eager") must not turn every path eager for it.
+    tower = ToyTower().eval()
+    encoder = FailingEncoder(
+        tower, lambda spec: spec.token_budget == 32, lambda: RuntimeError(CUBLAS_ALLOC_FAILED)
+    )
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture_errors=capture_errors)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_and_compare(manager, tower, [[5, 7], [30], [9]])
+    [warning] = messages(caught, "out of memory")
+    assert "token budget 32" in warning and "keeps budgets [8, 16]" in warning
+    assert not messages(caught, "eagerly from now on")
+    assert manager.stats.hits == 2 and manager.stats.misses == 1  # 30 tokens: above 16
+
+
+class CublasFailureInCaptureEncoder(ToyEncoder):
+    """cuBLAS fails to allocate inside the CUDA graph capture of budget 32."""
+
+    def graph_forward(self, path, buffers):
+        if torch.cuda.is_current_stream_capturing() and buffers["tokens"].shape[0] == 32:
+            raise RuntimeError(CUBLAS_ALLOC_FAILED)
+        return super().graph_forward(path, buffers)
+
+
+@pytest.mark.cuda
+def test_cuda_a_cublas_allocation_failure_inside_a_capture_keeps_the_smaller_budgets():
+    torch.manual_seed(0)
+    tower = ToyTower().cuda().eval()
+    manager = EncoderGraphManager(CublasFailureInCaptureEncoder(tower), budgets=BUDGETS)
+    rng = random.Random(1)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for lengths in ([5, 7], [30], [3] * 7, [9]):
+            tokens, lengths = make_batch(rng, lengths, device="cuda")
+            assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    [warning] = messages(caught, "out of memory")
+    assert "token budget 32" in warning and "keeps budgets [8, 16]" in warning
+    assert not messages(caught, "runs eagerly")
+    assert manager.stats.graphs == 2 and manager.stats.hits > 0

@@ -428,3 +428,129 @@ def test_a_sub_batch_of_every_item_in_order_is_not_gathered(monkeypatch):
             run(manager, tokens, lengths), manager.encoder.tower(tokens, lengths)
         )
     assert len(gathered) == 2 and sorted(sum(gathered, [])) == [0, 1, 2]
+
+
+def test_min_padding_packing_pads_less_than_next_fit():
+    tower = ToyTower().eval()
+    tokens, lengths = make_batch(random.Random(12), [10, 30, 10, 20])
+    served = {}
+    for packing in ("next_fit", "min_padding"):
+        manager = manager_for(tower, budgets=BudgetConfig(budgets=[16, 32, 64]), packing=packing)
+        with torch.no_grad():
+            assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+        served[packing] = (manager.stats.padded_tokens, manager.stats.sub_batches)
+    # next_fit: [10, 10, 20] in budget 64, [30] in 32; min_padding: [10] in 16, [10, 20, 30] in 64.
+    assert served == {"next_fit": (26, 2), "min_padding": (10, 2)}
+
+
+class StaticOutputAdapter(PackedEncoderAdapter):
+    """Returns each graph forward's rows in one output tensor per input buffer, as the
+    replay of a CUDA graph does: the next run overwrites them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs: dict[tuple, torch.Tensor] = {}
+
+    def graph_forward(self, path, buffers):
+        rows = super().graph_forward(path, buffers)
+        key = (path, buffers["pixel_patches"].data_ptr(), tuple(rows.shape))
+        return self.outputs.setdefault(key, torch.empty_like(rows)).copy_(rows)
+
+
+def check_packed_outputs_survive_later_replays(adapter_class: type, device: str) -> None:
+    # Two images in packing order that fill the budget: the packed adapter then
+    # returns a view of the rows the manager hands it, so only the manager's
+    # clone keeps them off the graph's output.
+    torch.manual_seed(0)
+    config = PackedViTConfig(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
+    tower = PackedViT(config).to(device).eval()
+    adapter = adapter_class(tower, min_token_budget=4)
+    manager = EncoderGraphManager(adapter, budgets=BudgetConfig(budgets=[32]), max_items=2)
+
+    def call(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        # 8 + 24 tokens: the budget's 32.
+        images = [
+            torch.randn(3, 16, 32, generator=generator),
+            torch.randn(3, 32, 48, generator=generator),
+        ]
+        patches, grid_thw = patchify(images, config.patch_size)
+        return patches.to(device), grid_thw.to(device)
+
+    with torch.no_grad():
+        first_call = call(0)
+        first = manager.execute(adapter.inputs_from_call(first_call, {}))
+        snapshot = first.clone()
+        for seed in (1, 2):  # the same graph, other inputs
+            manager.execute(adapter.inputs_from_call(call(seed), {}))
+        expected = tower(*first_call)
+    assert manager.stats.hits == 3 and manager.stats.padded_tokens == 0
+    assert torch.equal(first, snapshot)
+    assert relative_error(first, expected) < 1e-4
+
+
+def test_packed_outputs_survive_later_runs_of_a_static_output():
+    check_packed_outputs_survive_later_replays(StaticOutputAdapter, "cpu")
+
+
+@pytest.mark.cuda
+def test_cuda_packed_outputs_survive_later_replays():
+    check_packed_outputs_survive_later_replays(PackedEncoderAdapter, "cuda")
+
+
+def test_path_budgets_set_the_padding_of_their_path_only():
+    tower = ToyTower(global_tokens=4).eval()
+    tokens, lengths = make_batch(random.Random(13), [5, 6])  # local 11 tokens, global 8
+    padded = []
+    for path_budgets in (None, {"global": BudgetConfig(budgets=[32])}):
+        manager = manager_for(
+            tower, budgets=BudgetConfig(budgets=[16, 64]), path_budgets=path_budgets
+        )
+        with torch.no_grad():
+            assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+        padded.append(manager.stats.padded_tokens)
+    # local 11 -> 16 both times; global 8 -> 16, then -> 32.
+    assert padded == [5 + 8, 5 + 24]
+
+
+def test_uniform_item_counts_are_the_item_counts_uniform_graphs_serve():
+    tower = ToyTower().eval()
+    served = []
+    for counts in (None, [3]):
+        manager = manager_for(
+            tower,
+            mode="full_uniform_only",
+            budgets=BudgetConfig(budgets=[32]),
+            uniform_item_counts=counts,
+        )
+        with torch.no_grad():
+            for count in (2, 3):
+                tokens, lengths = make_batch(random.Random(count), [8] * count)
+                assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+                served.append((counts, count, manager.stats.hits))
+    # By default powers of two: 2 items have a graph, 3 do not; [3] the other way round.
+    assert served == [(None, 2, 1), (None, 3, 1), ([3], 2, 0), ([3], 3, 1)]
+
+
+def test_progress_is_told_of_every_capture_largest_budget_first():
+    told = []
+    manager = manager_for(
+        ToyTower().eval(),
+        budgets=BudgetConfig(budgets=[16, 32]),
+        progress=lambda done, total, spec: told.append((done, total, spec.path, spec.token_budget)),
+    )
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(14), [5]))
+        run(manager, *make_batch(random.Random(15), [6]))  # captured already: not told again
+    assert told == [(1, 2, "local", 32), (2, 2, "local", 16)]
+
+
+@pytest.mark.parametrize(("budgets", "padded"), [([64], 64 - 12), ([12, 64], 0)])
+def test_budgets_set_the_budget_a_sub_batch_pads_to(budgets, padded):
+    # 12 tokens: the adapter's default ladder (8 to 64) would pad them to 16.
+    tower = ToyTower().eval()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=budgets))
+    tokens, lengths = make_batch(random.Random(16), [5, 7])
+    with torch.no_grad():
+        assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
+    assert (manager.stats.hits, manager.stats.padded_tokens) == (1, padded)

@@ -428,3 +428,20 @@ def test_cuda_frames_over_the_full_capacity_run_piecewise(dtype):
     assert relative_error(actual, expected) < cuda_tolerance(dtype)
     assert (manager.stats.piecewise_hits, manager.stats.misses) == (1, 0)
     assert manager.stats.graphs > 0
+
+
+def test_piecewise_runs_an_item_of_more_frames_than_its_graph_holds_eagerly():
+    tower = packed_tower()
+    # Images only: the piecewise graph's metadata holds one frame per item, one item.
+    adapter = PackedEncoderAdapter(tower, min_token_budget=4, max_token_budget=64)
+    manager = EncoderGraphManager(
+        adapter, mode="piecewise", budgets=BudgetConfig(budgets=[64]), max_items=1
+    )
+    video, image = torch.randn(3, 3, 8, 8), torch.randn(3, 8, 8)
+    with torch.no_grad():
+        for item in (video, image):
+            patches, grid_thw = patchify([item], PATCH)
+            actual = run_tower(manager, patches, grid_thw)
+            assert relative_error(actual, tower(patches, grid_thw)) < 1e-5
+    # The video ran eagerly, the image through the pieces.
+    assert (manager.stats.misses, manager.stats.piecewise_hits) == (1, 1)

@@ -1,0 +1,95 @@
+"""When the callback swaps the tower's forward, seen from where the user's code runs:
+inside the steps, in the sanity check, and in the ``on_*_end`` hooks after the callback's."""
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from test_callback import BUDGETS, RecordingModel, datamodule, trainer
+from torch import nn
+
+from lightning_cg.callback import CUDAGraphCallback
+
+
+def runs_its_own_forward(tower: nn.Module) -> bool:
+    """Whether calling ``tower`` runs its class's forward (nothing swapped in)."""
+    return getattr(tower.forward, "__func__", None) is type(tower).forward
+
+
+class ForwardSpy(RecordingModel):
+    """Records, for each step and its own ``on_*_end``, whether the tower ran its own forward."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.seen: list[tuple[str, bool]] = []
+
+    def record(self, where: str) -> None:
+        self.seen.append((where, runs_its_own_forward(self.vision_tower)))
+
+    def validation_step(self, batch, batch_idx):
+        self.record("sanity" if self.trainer.sanity_checking else "validate")
+        return super().validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        self.record("predict")
+        return super().predict_step(batch, batch_idx, dataloader_idx)
+
+    def on_validation_end(self) -> None:
+        self.record("on_validation_end")
+
+    def on_predict_end(self) -> None:
+        self.record("on_predict_end")
+
+
+class ForwardAtEnd(Callback):
+    """A callback after the graph callback: records the tower's forward at each ``on_*_end``."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool]] = []
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.seen.append(("validate", runs_its_own_forward(pl_module.vision_tower)))
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self.seen.append(("predict", runs_its_own_forward(pl_module.vision_tower)))
+
+
+@pytest.mark.parametrize("stages", [["predict"], ["validate"]])
+def test_only_the_configured_stages_run_through_graphs(stages):
+    net = ForwardSpy()
+    callback = CUDAGraphCallback(budgets=BUDGETS, stages=stages)
+    run = trainer(callback)
+    run.validate(net, datamodule(), verbose=False)
+    run.predict(net, datamodule())
+    steps = [(where, own) for where, own in net.seen if where in ("validate", "predict")]
+    # 12 items in batches of 4: three steps per stage, graphed only where configured.
+    assert steps == [
+        (stage, stage not in stages) for stage in ("validate", "predict") for _ in range(3)
+    ]
+
+
+@pytest.mark.parametrize("capture_during_sanity_check", [False, True])
+def test_the_sanity_check_runs_through_graphs_only_when_asked(capture_during_sanity_check):
+    net = ForwardSpy()
+    callback = CUDAGraphCallback(
+        budgets=BUDGETS, capture_during_sanity_check=capture_during_sanity_check
+    )
+    run = trainer(callback, num_sanity_val_steps=1, max_epochs=1, limit_val_batches=1)
+    run.fit(net, datamodule())
+    steps = [(where, own) for where, own in net.seen if where in ("sanity", "validate")]
+    assert steps == [("sanity", not capture_during_sanity_check), ("validate", False)]
+
+
+def test_the_original_forward_is_back_before_later_end_hooks_run():
+    net = ForwardSpy()
+    later = ForwardAtEnd()
+    run = trainer(CUDAGraphCallback(budgets=BUDGETS), later)
+    run.validate(net, datamodule(), verbose=False)
+    run.predict(net, datamodule())
+    assert later.seen == [("validate", True), ("predict", True)]
+    assert net.seen == [
+        *[("validate", False)] * 3,
+        ("on_validation_end", True),
+        *[("predict", False)] * 3,
+        ("on_predict_end", True),
+    ]
