@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -31,18 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch without variable-length flash attention
-    varlen_attn = None
+from lightning_cg.attention import Attend, sequence_attention, varlen_supported
+from lightning_cg.attention import block_diagonal_mask as block_diagonal_mask  # re-exported
 
 #: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
 GridTHW = torch.Tensor | Sequence[Sequence[int]]
 
 _ROPE_THETA = 10000.0
 _LAYER_NORM_EPS = 1e-6  # torchvision's, so its weights load unchanged
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -175,18 +171,6 @@ def tokens_per_item(grid_thw: GridTHW, config: PackedViTConfig) -> list[int]:
     return [tokens + extra for tokens in _local_tokens(_as_grid(grid_thw), config)]
 
 
-def block_diagonal_mask(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
-    """``(rows, rows)`` boolean mask: row i may attend row j iff both lie in one sequence.
-
-    Built on the device without host syncs. Rows past ``cu_seqlens[-1]`` (padding)
-    share one id of their own, so they attend only each other and never produce NaN;
-    empty sequences (repeated offsets) own no rows.
-    """
-    positions = torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    sequence_ids = torch.searchsorted(cu_seqlens[1:], positions, right=True)  # (rows,)
-    return sequence_ids[:, None] == sequence_ids[None, :]
-
-
 class PackedViT(nn.Module):
     """Variable-resolution ViT over packed patches, with an optional global view.
 
@@ -307,7 +291,7 @@ class PackedViT(nn.Module):
             ``(T / merge**2, out_hidden_size)``.
         """
         x = self.patch_embed(pixel_patches.to(self.patch_embed.weight.dtype))  # (T, D)
-        attend = _frame_attention(cu_seqlens, x.shape[0], max_seqlen, self._uses_varlen(x.device))
+        attend = sequence_attention(cu_seqlens, x.shape[0], max_seqlen, self._uses_varlen(x.device))
         rotary_cos, rotary_sin = self._rotary_tables(positions)
         for block in self.blocks:
             x = block(x, rotary_cos, rotary_sin, attend)
@@ -374,13 +358,10 @@ class PackedViT(nn.Module):
         return self.forward_packed(patches, **metadata, max_seqlen=max_seqlen)
 
     def _uses_varlen(self, device: torch.device) -> bool:
-        if varlen_attn is None or device.type != "cuda":
-            return False
         dtype = self.patch_embed.weight.dtype
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        head_dim = self.config.head_dim
-        return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+        return varlen_supported(dtype, device, self.config.head_dim)
 
 
 class _Attention(nn.Module):
@@ -435,29 +416,6 @@ class _PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.norm(x).reshape(-1, self.window_width))  # (T / merge**2, out)
-
-
-def _frame_attention(
-    cu_seqlens: torch.Tensor, rows: int, max_seqlen: int, use_varlen: bool
-) -> Attend:
-    """Attention within each frame: ``q, k, v (T, H, hd) -> (T, H, hd)``."""
-    if use_varlen and rows > 0:  # varlen attention refuses an empty batch
-        # Flash attention never writes rows past the last sequence; zero them so
-        # padding holds no stale memory.
-        inside = torch.arange(rows, device=cu_seqlens.device) < cu_seqlens[-1]
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-            return torch.where(inside[:, None, None], out, 0.0)
-
-        return attend
-    mask = block_diagonal_mask(cu_seqlens, rows)  # (T, T)
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (tensor.transpose(0, 1) for tensor in (q, k, v))  # (H, T, hd)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
-
-    return attend
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
