@@ -102,7 +102,9 @@ class RowLayout:
         """The tower's output rebuilt from ``(tokens, width)`` rows; each tensor
         is contiguous, as the tower returns it."""
         tokens = rows.shape[0]
-        values: dict[str, Any] = {}
+        # Set field by field, as the tower's output gets its recorded states: the
+        # fields keep the tower's order (and with it the order of to_tuple()).
+        output = self.output_type()
         start = 0
         for field in self.fields:
             tensors = []
@@ -112,11 +114,10 @@ class RowLayout:
                 tensors.append(block.contiguous())
                 start = stop
             if field.container == "tensor":
-                values[field.name] = tensors[0]
+                output[field.name] = tensors[0]
             else:
-                values[field.name] = tuple(tensors) if field.container == "tuple" else tensors
-        return self.output_type(**values)
-
+                output[field.name] = tuple(tensors) if field.container == "tuple" else tensors
+        return output
 
 def _unsplittable(name: str, what: str) -> str:
     return (

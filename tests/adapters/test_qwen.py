@@ -1,0 +1,293 @@
+"""The Qwen vision towers of transformers through the graph manager and the callback.
+
+Tiny random towers: graphed outputs must equal each tower's own eager forward.
+"""
+
+import random
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters.qwen import QwenVisionAdapter
+from lightning_cg.callback import CUDAGraphCallback
+from lightning_cg.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
+
+transformers = pytest.importorskip("transformers")
+qwen2_vl = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
+
+PATCH, TEMPORAL, MERGE = 2, 2, 2
+PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Small budgets: a batch of a few items splits into several padded sub-batches.
+BUDGETS = BudgetConfig(min_budget=4, max_budget=16)
+
+
+def tiny_tower(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    sizes = dict(depth=3, num_heads=4, patch_size=PATCH, temporal_patch_size=TEMPORAL)
+    if kind == "qwen2_vl":
+        config = transformers.Qwen2VLVisionConfig(embed_dim=32, hidden_size=24, **sizes)
+        tower = qwen2_vl.Qwen2VisionTransformerPretrainedModel(config)
+    elif kind == "qwen2_5_vl":
+        # Windows of 2x2 merged tokens; block 1 attends over whole frames.
+        config = transformers.Qwen2_5_VLVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=24,
+            window_size=8,
+            fullatt_block_indexes=[1],
+            **sizes,
+        )
+        tower = transformers.Qwen2_5_VisionTransformerPretrainedModel(config)
+    else:
+        config = transformers.Qwen3VLVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=24,
+            deepstack_visual_indexes=[0, 1],
+            num_position_embeddings=16,
+            **sizes,
+        )
+        tower = transformers.Qwen3VLVisionModel(config)
+    return tower.to(device, dtype).eval()
+
+
+def random_batch(seed: int, count: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Images of mixed sizes and videos (t > 1; item ``count // 2`` is one), as
+    (hidden_states, grid_thw)."""
+    rng = random.Random(seed)
+    grid = [
+        (rng.choice([1, 1, 1, 2, 3]), MERGE * rng.randint(1, 4), MERGE * rng.randint(1, 4))
+        for _ in range(count)
+    ]
+    if count > 1:
+        grid[count // 2] = (2, *grid[count // 2][1:])
+    patches = sum(t * h * w for t, h, w in grid)
+    generator = torch.Generator().manual_seed(seed)
+    hidden_states = torch.randn(patches, PATCH_DIM, generator=generator)
+    return hidden_states.to(device), torch.tensor(grid, device=device).reshape(-1, 3)
+
+
+def manager_for(tower, **kwargs) -> EncoderGraphManager:
+    adapter = adapter_for(tower)
+    options = dict(mode="full", budgets=BUDGETS, max_items=4, **kwargs)
+    return EncoderGraphManager(adapter, **options)
+
+
+def assert_outputs_equal(actual, expected, **tolerance) -> None:
+    """Same type, same fields, every tensor close (lists and tuples entry by entry)."""
+    assert type(actual) is type(expected)
+    if isinstance(expected, tuple | list):
+        assert len(actual) == len(expected)
+        for actual_part, expected_part in zip(actual, expected, strict=True):
+            assert_outputs_equal(actual_part, expected_part, **tolerance)
+        return
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, **tolerance)
+        return
+    assert list(actual.keys()) == list(expected.keys())
+    for key in expected.keys():
+        assert_outputs_equal(actual[key], expected[key], **tolerance)
+
+
+def graphed(manager: EncoderGraphManager, hidden_states, grid_thw, **options):
+    inputs = manager.encoder.inputs_from_call((hidden_states,), {"grid_thw": grid_thw, **options})
+    with torch.no_grad():
+        return manager.execute(inputs)
+
+
+def eager(tower, hidden_states, grid_thw, **options):
+    with torch.no_grad():
+        return tower(hidden_states, grid_thw=grid_thw, **options)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_full_mode_equals_the_towers_forward(kind, seed):
+    tower = tiny_tower(kind)
+    manager = manager_for(tower, max_frames_per_batch=6)
+    hidden_states, grid_thw = random_batch(seed, count=6)
+    expected = eager(tower, hidden_states, grid_thw)
+    actual = graphed(manager, hidden_states, grid_thw)
+    assert_outputs_equal(actual, expected, rtol=1e-5, atol=1e-6)
+    stats = manager.stats
+    assert stats.sub_batches > 1 and stats.hits > 0 and stats.padded_tokens > 0
+    assert tower.config._attn_implementation == "sdpa"  # the user's, back after the graphs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepstack_and_hidden_states_options_and_tuples(kind):
+    tower = tiny_tower(kind)
+    manager = manager_for(tower)
+    hidden_states, grid_thw = random_batch(3, count=5)
+    for options in ({"output_hidden_states": True}, {"return_dict": False}, {}):
+        expected = eager(tower, hidden_states, grid_thw, **options)
+        actual = graphed(manager, hidden_states, grid_thw, **options)
+        assert_outputs_equal(actual, expected, rtol=1e-5, atol=1e-6)
+    if kind == "qwen3_vl":
+        assert len(actual.deepstack_features) == 2
+    assert len(expected.keys()) == (3 if kind == "qwen3_vl" else 2)
+
+
+def fill(adapter: QwenVisionAdapter, buffers: dict, inputs, padding: float) -> None:
+    """The manager's copy before a replay, with the patches' padding rows set to ``padding``."""
+    rules = adapter.graph_config().padding_rules
+    for name, rows in adapter.replay_inputs("local", inputs).items():
+        buffer, count = buffers[name], rows.shape[0]
+        buffer[:count].copy_(rows)
+        if rules.get(name) == "repeat_last":
+            buffer[count:] = rows[-1]
+        elif name.startswith("hidden_states"):
+            buffer[count:] = padding
+        else:
+            buffer[count:] = 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_rows_do_not_change_the_real_rows(kind):
+    """One set of buffers far larger than the batch; whatever the padding patches
+    hold, the real rows equal the eager forward's."""
+    adapter = QwenVisionAdapter(tiny_tower(kind), max_frames_per_item=3)
+    inputs = adapter.inputs_from_call(random_batch(4, count=3), {})
+    tokens = sum(spec.output_tokens for spec in adapter.item_specs(inputs))
+    frames = sum(spec.num_frames for spec in adapter.item_specs(inputs))
+    signature = adapter.graph_signature(inputs)
+    spec = CaptureSpec(
+        "local", tokens + 24, max_items=8, max_frames=frames + 5, signature=signature
+    )
+    buffers = adapter.capture_inputs(spec)
+    assert buffers["cu_seqlens"].shape == (frames + 6,)
+    with torch.no_grad():
+        expected = adapter.eager_forward("local", inputs)
+        for padding in (0.0, 1e3):
+            fill(adapter, buffers, inputs, padding)
+            rows = adapter.graph_forward("local", buffers)
+            assert rows.shape == (tokens + 24, adapter.graph_config().out_hidden_size)
+            torch.testing.assert_close(rows[:tokens], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_items_come_back_in_order_when_packing_reorders_them():
+    tower = tiny_tower("qwen2_5_vl")
+    manager = manager_for(tower, packing="min_padding")
+    hidden_states, grid_thw = random_batch(5, count=7)
+    expected = eager(tower, hidden_states, grid_thw)
+    assert_outputs_equal(graphed(manager, hidden_states, grid_thw), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_empty_batch_gives_empty_fields(kind):
+    tower = tiny_tower(kind)
+    manager = manager_for(tower)
+    output = graphed(manager, torch.zeros(0, PATCH_DIM), torch.zeros(0, 3, dtype=torch.long))
+    reference = eager(tower, *random_batch(6, count=1))
+    assert type(output) is type(reference)
+    for key in reference.keys():
+        value, width = output[key], reference[key]
+        for part, reference_part in zip(
+            value if isinstance(value, list) else [value],
+            width if isinstance(width, list) else [width],
+            strict=True,
+        ):
+            assert part.shape == (0, reference_part.shape[1])
+
+
+def test_adapter_is_chosen_by_type_and_for_the_packed_name():
+    for kind in KINDS:
+        tower = tiny_tower(kind)
+        adapter = adapter_for(tower)
+        assert isinstance(adapter, QwenVisionAdapter) and isinstance(adapter, GraphableEncoder)
+        assert adapter.kind == kind
+        assert isinstance(adapter_for(tower, "packed"), QwenVisionAdapter)
+    config = adapter_for(tiny_tower("qwen2_vl")).graph_config()
+    assert config.paths["local"].per_item_metadata
+    assert config.padding_rules["cu_seqlens"] == "repeat_last"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cu_seqlens": torch.tensor([0, 16])}, "cu_seqlens is computed from grid_thw"),
+        ({"output_hidden_states": [0, 1]}, "output_hidden_states=.* is not a plain value"),
+    ],
+)
+def test_options_the_graphs_cannot_take_name_themselves(options, message):
+    adapter = QwenVisionAdapter(tiny_tower("qwen2_vl"))
+    hidden_states, grid_thw = random_batch(7, count=1)
+    with pytest.raises(ValueError, match=message):
+        adapter.inputs_from_call((hidden_states, grid_thw), options)
+
+
+def test_bad_patches_name_the_argument():
+    adapter = QwenVisionAdapter(tiny_tower("qwen2_vl"))
+    grid_thw = torch.tensor([[1, 2, 2]])
+    with pytest.raises(ValueError, match=rf"hidden_states must have shape \[4, {PATCH_DIM}\]"):
+        adapter.inputs_from_call((torch.zeros(4, PATCH_DIM + 1), grid_thw), {})
+    with pytest.raises(ValueError, match="QwenVisionAdapter serves the transformers towers"):
+        QwenVisionAdapter(torch.nn.Linear(2, 2))
+
+
+class VisualModel(LightningModule):
+    """Holds the tower at ``visual`` and calls it as the Qwen models do."""
+
+    def __init__(self, tower) -> None:
+        super().__init__()
+        self.visual = tower
+
+    def predict_step(self, batch, batch_idx):
+        hidden_states, grid_thw = batch
+        output = self.visual(hidden_states, grid_thw=grid_thw, return_dict=True)
+        return output.pooler_output, output.last_hidden_state
+
+
+def test_predict_through_the_callback_equals_eager():
+    tower = tiny_tower("qwen2_vl")
+    batches = [random_batch(seed, count=5) for seed in range(3)]
+    callback = CUDAGraphCallback(
+        module="visual", budgets={"min_budget": 4, "max_budget": 16}, max_items_per_batch=4
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    loader = DataLoader(batches, batch_size=None)
+    outputs = trainer.predict(VisualModel(tower), loader)
+    for (pooled, patches), (hidden_states, grid_thw) in zip(outputs, batches, strict=True):
+        expected = eager(tower, hidden_states, grid_thw)
+        torch.testing.assert_close(pooled, expected.pooler_output, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(patches, expected.last_hidden_state, rtol=1e-5, atol=1e-6)
+    assert callback.last_stats["hits"] > 0 and callback.last_stats["sub_batches"] > 3
+    assert "forward" not in tower.__dict__
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_graphs_match_the_towers_sdpa_forward(kind):
+    """Mixed-size images and a video, replayed from CUDA graphs, against transformers'
+    own eager forward with its sdpa attention."""
+    tower = tiny_tower(kind, device="cuda", dtype=torch.bfloat16)
+    assert tower.config._attn_implementation == "sdpa"
+    manager = manager_for(tower, max_frames_per_batch=8)
+    for seed in (8, 9, 10):
+        hidden_states, grid_thw = random_batch(seed, count=6, device="cuda")
+        hidden_states = hidden_states.bfloat16()
+        expected = eager(tower, hidden_states, grid_thw)
+        actual = graphed(manager, hidden_states, grid_thw)
+        assert type(actual) is type(expected)
+        for key in expected.keys():
+            values = expected[key] if isinstance(expected[key], list) else [expected[key]]
+            actual_values = actual[key] if isinstance(actual[key], list) else [actual[key]]
+            for value, actual_value in zip(values, actual_values, strict=True):
+                assert actual_value.dtype == value.dtype and actual_value.shape == value.shape
+                assert relative_error(actual_value, value) < 2e-2, key
+    assert manager.stats.graphs > 0 and manager.stats.hits > 0
