@@ -119,6 +119,7 @@ class RowLayout:
                 output[field.name] = tuple(tensors) if field.container == "tuple" else tensors
         return output
 
+
 def _unsplittable(name: str, what: str) -> str:
     return (
         f"the tower's output field {name!r} holds {what}, not 2-D tensors with a row per "

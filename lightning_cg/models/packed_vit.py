@@ -132,24 +132,35 @@ def packed_vit_small_config(**overrides) -> PackedViTConfig:
 
 
 def patchify(
-    items: Sequence[torch.Tensor], patch_size: int, spatial_merge_size: int = 2
+    items: Sequence[torch.Tensor],
+    patch_size: int,
+    spatial_merge_size: int = 2,
+    temporal_patch_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut images and videos into packed patches.
 
     Rows go item after item, frame after frame, and within a frame window after
     window (row-major) so that every ``merge x merge`` window is consecutive rows,
-    themselves row-major. A row is one patch flattened as ``(C, p, p)``.
+    themselves row-major. A row is one patch flattened as ``(C, p, p)``, or with
+    a temporal patch (the Qwen vision towers' ``temporal_patch_size``) as
+    ``(C, tp, p, p)`` over ``tp`` consecutive frames: an item's frames are
+    padded to a multiple of ``tp`` by repeating its last frame, as the Qwen
+    processors do.
 
     Args:
         items: images ``[C, H, W]`` and videos ``[T, C, H, W]``; ``H`` and ``W``
             multiples of ``patch_size * spatial_merge_size``.
         patch_size: side of a patch in pixels.
         spatial_merge_size: side of a merge window in patches.
+        temporal_patch_size: frames in one patch.
 
     Returns:
-        ``pixel_patches`` ``(sum(t*h*w), C*p*p)`` and ``grid_thw``, a CPU
-        ``LongTensor`` ``(N, 3)`` of frames and patch rows and columns per item.
+        ``pixel_patches`` ``(sum(t*h*w), C*tp*p*p)`` and ``grid_thw``, a CPU
+        ``LongTensor`` ``(N, 3)`` of frames (``ceil(T / tp)``) and patch rows and
+        columns per item.
     """
+    if temporal_patch_size < 1:
+        raise ValueError(f"temporal_patch_size must be >= 1, got {temporal_patch_size}")
     side = patch_size * spatial_merge_size
     patches, grid = [], []
     for index, item in enumerate(items):
@@ -159,9 +170,13 @@ def patchify(
                 f"items[{index}] has shape {tuple(item.shape)}; expected [C, H, W] or "
                 f"[T, C, H, W] with H and W multiples of {side}"
             )
-        patches.append(_patchify_frames(frames, patch_size, spatial_merge_size))
+        missing = -frames.shape[0] % temporal_patch_size
+        frames = torch.cat([frames, frames[-1:].expand(missing, -1, -1, -1)])
+        patches.append(
+            _patchify_frames(frames, patch_size, spatial_merge_size, temporal_patch_size)
+        )
         t, _, height, width = frames.shape
-        grid.append((t, height // patch_size, width // patch_size))
+        grid.append((t // temporal_patch_size, height // patch_size, width // patch_size))
     return torch.cat(patches), torch.tensor(grid, dtype=torch.long).reshape(-1, 3)
 
 
@@ -445,13 +460,15 @@ def _patch_offsets(grid: list[tuple[int, int, int]]) -> list[int]:
     return [0, *itertools.accumulate(t * h * w for t, h, w in grid)]
 
 
-def _patchify_frames(frames: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
-    """``(T, C, H, W) -> (T*h*w, C*p*p)`` in merge-window order."""
-    t, c, height, width = frames.shape
-    h, w = height // patch, width // patch
-    x = frames.reshape(t, c, h // merge, merge, patch, w // merge, merge, patch)
-    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # (t, h/m, w/m, m, m, c, p, p)
-    return x.reshape(t * h * w, c * patch * patch)
+def _patchify_frames(
+    frames: torch.Tensor, patch: int, merge: int, temporal: int = 1
+) -> torch.Tensor:
+    """``(T, C, H, W) -> (T/tp*h*w, C*tp*p*p)`` in merge-window order; ``T`` a multiple of tp."""
+    frame_count, c, height, width = frames.shape
+    t, h, w = frame_count // temporal, height // patch, width // patch
+    x = frames.reshape(t, temporal, c, h // merge, merge, patch, w // merge, merge, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h/m, w/m, m, m, c, tp, p, p)
+    return x.reshape(t * h * w, c * temporal * patch * patch)
 
 
 def _unpatchify_frame(

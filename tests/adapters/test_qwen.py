@@ -15,6 +15,7 @@ from lightning_cg.adapters.qwen import QwenVisionAdapter
 from lightning_cg.callback import CUDAGraphCallback
 from lightning_cg.encoder import CaptureSpec, GraphableEncoder
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
+from lightning_cg.models.packed_vit import patchify
 
 transformers = pytest.importorskip("transformers")
 qwen2_vl = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
@@ -193,6 +194,24 @@ def test_an_empty_batch_gives_empty_fields(kind):
             strict=True,
         ):
             assert part.shape == (0, reference_part.shape[1])
+
+
+def test_patchify_cuts_images_as_the_qwen_processor_does():
+    """The project's data (patchify with a temporal patch) feeds these towers as
+    transformers' own Qwen2-VL image processor would."""
+    processor = transformers.Qwen2VLImageProcessor(
+        do_resize=False,
+        do_rescale=False,
+        do_normalize=False,
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+    )
+    images = [torch.rand(3, 8, 12), torch.rand(3, 4, 4)]
+    expected = processor(images=images, return_tensors="pt")
+    patches, grid_thw = patchify(images, PATCH, MERGE, TEMPORAL)
+    assert grid_thw.tolist() == expected["image_grid_thw"].tolist()
+    torch.testing.assert_close(patches, expected["pixel_values"])
 
 
 def test_adapter_is_chosen_by_type_and_for_the_packed_name():
