@@ -70,7 +70,9 @@ def random_batch(seed: int, count: int, device: str = "cpu") -> tuple[torch.Tens
     patches = sum(t * h * w for t, h, w in grid)
     generator = torch.Generator().manual_seed(seed)
     hidden_states = torch.randn(patches, PATCH_DIM, generator=generator)
-    return hidden_states.to(device), torch.tensor(grid, device=device).reshape(-1, 3)
+    return hidden_states.to(device), torch.tensor(grid, dtype=torch.long, device=device).reshape(
+        -1, 3
+    )
 
 
 def manager_for(tower, **kwargs) -> EncoderGraphManager:
@@ -121,11 +123,35 @@ def test_full_mode_equals_the_towers_forward(kind, seed):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("compositions", [12, pytest.param(200, marks=pytest.mark.slow)])
+def test_random_batch_compositions_equal_the_towers_forward(kind, compositions):
+    """One manager over many batches: mixed sizes, videos, single items, empty batches."""
+    tower = tiny_tower(kind)
+    manager = manager_for(tower, max_frames_per_batch=6)
+    rng = random.Random(kind)
+    for composition in range(compositions):
+        count = rng.choice([0, 1, 1, 2, 3, 5, 8])
+        hidden_states, grid_thw = random_batch(1000 + composition, count)
+        actual = graphed(manager, hidden_states, grid_thw)
+        if count:
+            assert_outputs_equal(
+                actual, eager(tower, hidden_states, grid_thw), rtol=1e-5, atol=1e-6
+            )
+        else:
+            assert actual.pooler_output.shape == (0, 24)
+    assert manager.stats.hits > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_deepstack_and_hidden_states_options_and_tuples(kind):
     tower = tiny_tower(kind)
     manager = manager_for(tower)
     hidden_states, grid_thw = random_batch(3, count=5)
-    for options in ({"output_hidden_states": True}, {"return_dict": False}, {}):
+    for options in (
+        {"output_hidden_states": True, "output_attentions": True},
+        {"return_dict": False},
+        {},
+    ):
         expected = eager(tower, hidden_states, grid_thw, **options)
         actual = graphed(manager, hidden_states, grid_thw, **options)
         assert_outputs_equal(actual, expected, rtol=1e-5, atol=1e-6)
