@@ -39,10 +39,15 @@ from lightning_cg.adapters.hf_attention import (
 )
 from lightning_cg.adapters.packed import DEFAULT_MAX_TOKEN_BUDGET, LOCAL_PATH
 from lightning_cg.adapters.packed_inputs import (
-    Grid,
     PackedInputs,
     read_packed_call,
     select_packed_items,
+)
+from lightning_cg.adapters.qwen_metadata import (
+    host_metadata,
+    most_windows,
+    window_metadata,
+    window_side,
 )
 from lightning_cg.adapters.row_outputs import RowLayout
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
@@ -160,14 +165,7 @@ class QwenVisionAdapter:
         self._attention_configs = attention_configs(tower)
         self._layouts: dict[Options, RowLayout] = {}
         self._options_by_name: dict[str, Options] = {}
-        if kind == "qwen2_5_vl":
-            # Merged tokens along one side of a window, as transformers computes it.
-            self._window_side = tower.window_size // self.merge // tower.patch_size
-            if self._window_side < 1:
-                raise ValueError(
-                    f"window_size ({tower.window_size}) must be >= patch_size * "
-                    f"spatial_merge_size ({tower.patch_size * self.merge})"
-                )
+        self._window_side = window_side(tower) if kind == "qwen2_5_vl" else 0
 
     def graph_config(self) -> EncoderGraphConfig:
         """One path, ``local``, with graphs per item count (``cu_seqlens`` has a slot per frame)."""
@@ -253,12 +251,11 @@ class QwenVisionAdapter:
         self._check_path(spec.path)
         dtype, device, options = spec.signature
         rows = spec.token_budget * self._merge_area
-        metadata = self._host_metadata([(1, self.merge, rows // self.merge)])
+        metadata = host_metadata(self.tower, self.kind, [(1, self.merge, rows // self.merge)])
         slots = {"cu_seqlens": spec.max_frames + 1}
         if self.kind == "qwen2_5_vl":
-            # A frame of T tokens has at most T / window_side + 1 windows.
-            most_windows = -(-spec.token_budget // self._window_side) + spec.max_frames
-            slots["cu_window_seqlens"] = min(spec.token_budget, most_windows) + 1
+            windows = most_windows(spec.token_budget, spec.max_frames, self._window_side)
+            slots["cu_window_seqlens"] = windows + 1
         for name, size in slots.items():
             offsets = metadata[name]
             metadata[name] = torch.cat([offsets, offsets[-1:].expand(size - len(offsets))])
@@ -271,7 +268,7 @@ class QwenVisionAdapter:
         self._check_path(path)
         return {
             _patches_name(inputs.options): inputs.pixel_patches,
-            **self._host_metadata(inputs.grid),
+            **host_metadata(self.tower, self.kind, inputs.grid),
         }
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -291,7 +288,7 @@ class QwenVisionAdapter:
             "max_seqlen": rows,
         }
         if self.kind == "qwen2_5_vl":
-            metadata.update(self._window_metadata(buffers, rows))
+            metadata.update(window_metadata(buffers, self._merge_area, self._window_side))
         if self.kind == "qwen3_vl":
             metadata["interp_indices"] = buffers["interp_indices"]
             metadata["interp_weights"] = buffers["interp_weights"]
@@ -330,52 +327,6 @@ class QwenVisionAdapter:
         return forward(
             self.tower, patches, grid_thw=grid_thw, return_dict=True, **dict(options), **metadata
         )
-
-    def _window_metadata(self, buffers: Mapping[str, torch.Tensor], rows: int) -> dict[str, Any]:
-        """Qwen2.5-VL's window metadata, its padding tokens mapped to themselves.
-
-        The tower undoes the window order with ``argsort(window_index)``; zeros
-        in the padding would tie with a real token, so the padding gets the
-        identity, built on the device from ``cu_seqlens[-1]`` (the real patches).
-        """
-        tokens = rows // self._merge_area
-        window_index = buffers["window_index"]
-        positions = torch.arange(tokens, device=window_index.device)
-        real_tokens = buffers["cu_seqlens"][-1] // self._merge_area
-        window_area = (self._window_side**2) * self._merge_area
-        return {
-            "window_index": torch.where(positions < real_tokens, window_index, positions),
-            "cu_window_seqlens": buffers["cu_window_seqlens"],
-            "max_window_seqlen": window_area,
-        }
-
-    def _host_metadata(self, grid: Grid) -> dict[str, torch.Tensor]:
-        """What the tower would compute from ``grid``, computed on the host by transformers."""
-        from transformers import vision_utils
-
-        grid_thw = torch.tensor(grid, dtype=torch.long).reshape(-1, 3)
-        tower = self.tower
-        metadata = {
-            "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid_thw),
-            "position_ids": vision_utils.get_vision_position_ids(grid_thw, self.merge),
-        }
-        if self.kind == "qwen2_5_vl":
-            window_index, cu_window_seqlens = vision_utils.get_vision_window_index(
-                grid_thw, self.merge, tower.window_size, tower.patch_size
-            )
-            metadata["window_index"] = window_index
-            metadata["cu_window_seqlens"] = cu_window_seqlens
-        if self.kind == "qwen3_vl":
-            indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
-                grid_thw,
-                num_grid_per_side=tower.num_grid_per_side,
-                mode=tower.interpolation_mode,
-                align_corners=tower.interpolation_align_corners,
-                spatial_merge_size=self.merge,
-            )
-            metadata["interp_indices"] = indices
-            metadata["interp_weights"] = weights
-        return metadata
 
     def _layout(self, options: Options) -> RowLayout:
         """The row layout of the output under ``options``, read once off a one-token item."""
