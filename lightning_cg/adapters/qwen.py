@@ -3,7 +3,8 @@
 ``visual(hidden_states [T, C*tp*p*p], grid_thw [N, 3], **options)`` for
 Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
 (``Qwen2_5_VisionTransformerPretrainedModel``, window attention) and Qwen3-VL
-(``Qwen3VLVisionModel``, deepstack features), images and videos alike. One
+(``Qwen3VLVisionModel`` and Qwen3-VL-MoE's ``Qwen3VLMoeVisionModel``, deepstack
+features), images and videos alike. One
 encoder path, ``local``; an item costs ``t * h * w / merge**2`` output tokens.
 
 The graph runs the tower's own forward with the metadata it would compute from
@@ -57,6 +58,8 @@ QWEN_TOWERS = {
     "Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
     "Qwen2_5_VisionTransformerPretrainedModel": "qwen2_5_vl",
     "Qwen3VLVisionModel": "qwen3_vl",
+    # Qwen3-VL-MoE's vision tower is Qwen3-VL's under another name.
+    "Qwen3VLMoeVisionModel": "qwen3_vl",
 }
 #: Keyword arguments the adapter computes from ``grid_thw`` itself.
 METADATA_ARGUMENTS = (

@@ -197,6 +197,26 @@ def test_padding_rows_do_not_change_the_real_rows(kind):
             torch.testing.assert_close(rows[:tokens], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_the_qwen3_vl_moe_tower_is_served_as_qwen3_vl():
+    torch.manual_seed(0)
+    config = transformers.Qwen3VLMoeVisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=24,
+        num_heads=4,
+        patch_size=PATCH,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+    )
+    tower = transformers.Qwen3VLMoeVisionModel(config).eval()
+    manager = manager_for(tower)
+    assert manager.encoder.kind == "qwen3_vl"
+    hidden_states, grid_thw = random_batch(11, count=5)
+    expected = eager(tower, hidden_states, grid_thw)
+    assert_outputs_equal(graphed(manager, hidden_states, grid_thw), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_items_come_back_in_order_when_packing_reorders_them():
     tower = tiny_tower("qwen2_5_vl")
     manager = manager_for(tower, packing="min_padding")
