@@ -295,24 +295,66 @@ def test_bad_patches_name_the_argument():
         QwenVisionAdapter(torch.nn.Linear(2, 2))
 
 
-class VisualModel(LightningModule):
-    """Holds the tower at ``visual`` and calls it as the Qwen models do."""
+IMAGE_TOKEN, VISION_START = 150, 152
 
-    def __init__(self, tower) -> None:
+
+def tiny_qwen2_vl_model():
+    """A Qwen2-VL model (vision tower and a 2-layer language model), random weights."""
+    torch.manual_seed(0)
+    text = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=200,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
+    )
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=PATCH)
+    config = transformers.Qwen2VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN + 1,
+        vision_start_token_id=VISION_START,
+    )
+    return transformers.Qwen2VLForConditionalGeneration(config).eval()
+
+
+def prompt(grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A prompt with each item's image tokens, as the Qwen2-VL processor lays them out."""
+    ids = []
+    for tokens in (grid_thw.prod(-1) // MERGE**2).tolist():
+        ids += [VISION_START] + [IMAGE_TOKEN] * tokens + [5, 6]
+    input_ids = torch.tensor([ids])
+    return {"input_ids": input_ids, "mm_token_type_ids": (input_ids == IMAGE_TOKEN).long()}
+
+
+class ChatModel(LightningModule):
+    """Holds a Qwen2-VL model, which calls its tower itself."""
+
+    def __init__(self, model) -> None:
         super().__init__()
-        self.visual = tower
+        self.model = model
 
     def predict_step(self, batch, batch_idx):
-        hidden_states, grid_thw = batch
-        output = self.visual(hidden_states, grid_thw=grid_thw, return_dict=True)
-        return output.pooler_output, output.last_hidden_state
+        return self.model(**batch).logits
 
 
-def test_predict_through_the_callback_equals_eager():
-    tower = tiny_tower("qwen2_vl")
-    batches = [random_batch(seed, count=5) for seed in range(3)]
+def test_predict_through_the_callback_as_the_qwen2_vl_model_calls_its_tower():
+    model = tiny_qwen2_vl_model()
+    batches = []
+    for seed in range(3):
+        hidden_states, grid_thw = random_batch(seed, count=4)
+        grid_thw[:, 0] = 1  # images: the prompt holds image tokens only
+        hidden_states = hidden_states[: int(grid_thw.prod(-1).sum())]
+        batches.append(
+            {"pixel_values": hidden_states, "image_grid_thw": grid_thw, **prompt(grid_thw)}
+        )
     callback = CUDAGraphCallback(
-        module="visual", budgets={"min_budget": 4, "max_budget": 16}, max_items_per_batch=4
+        module="model.model.visual",
+        budgets={"min_budget": 4, "max_budget": 16},
+        max_items_per_batch=2,
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -321,14 +363,13 @@ def test_predict_through_the_callback_equals_eager():
         enable_model_summary=False,
         callbacks=[callback],
     )
-    loader = DataLoader(batches, batch_size=None)
-    outputs = trainer.predict(VisualModel(tower), loader)
-    for (pooled, patches), (hidden_states, grid_thw) in zip(outputs, batches, strict=True):
-        expected = eager(tower, hidden_states, grid_thw)
-        torch.testing.assert_close(pooled, expected.pooler_output, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(patches, expected.last_hidden_state, rtol=1e-5, atol=1e-6)
+    outputs = trainer.predict(ChatModel(model), DataLoader(batches, batch_size=None))
     assert callback.last_stats["hits"] > 0 and callback.last_stats["sub_batches"] > 3
-    assert "forward" not in tower.__dict__
+    assert "forward" not in model.model.visual.__dict__
+    for logits, batch in zip(outputs, batches, strict=True):
+        with torch.no_grad():
+            expected = model(**batch).logits
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
