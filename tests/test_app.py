@@ -28,11 +28,19 @@ TINY_VIT = [
     "+model.module.vision_tower.num_heads=2",
     "model.input.image_size=32",
 ]
+TINY_QWEN = [
+    "model=qwen2_vl_vision",
+    "model.module.vision_tower.config.depth=1",
+    "model.module.vision_tower.config.embed_dim=32",
+    "model.module.vision_tower.config.num_heads=2",
+    "model.module.vision_tower.config.hidden_size=16",
+    "model.module.vision_tower.config.patch_size=4",
+]
 SMALL_DATA = ["data=synthetic", "data.num_items=6", "data.max_side=64", "data.batch_size=3"]
 GROUPS = {
     "cudagraph": ["full", "none", "piecewise", "full_and_piecewise", "full_uniform_only"],
     "cudagraph/budgets": ["pow2", "geometric", "explicit", "auto"],
-    "model": ["packed_vit", "packed_vit_small", "vit_b_16", "resnet50"],
+    "model": ["packed_vit", "packed_vit_small", "vit_b_16", "resnet50", "qwen2_vl_vision"],
     "data": ["photos", "synthetic", "fake"],
     "trainer": ["default", "cpu", "gpu"],
 }
@@ -145,6 +153,20 @@ def test_the_gpu_report_falls_back_to_the_graphs_held():
     stats = {**cpu_pass(0).stats, "graphs": 7}
     report = RunReport("predict", 1.0, stats, device="cuda:0", passes=[PassReport(0.5, 1.0, stats)])
     assert "capture: 7 graphs held, 0.30 s of capture in all" in printed(report)
+
+
+def test_predict_app_on_the_qwen2_vl_tower_with_images_and_videos():
+    """The data follows the tower's patch, merge and temporal patch sizes."""
+    pytest.importorskip("transformers")
+    videos = ["data.video_fraction=0.5", "data.max_frames=3"]
+    cfg = compose_config(
+        "predict", TINY_QWEN + SMALL_DATA + videos + ["compare_eager=true", "trainer=cpu"]
+    )
+    assert cfg.data.temporal_patch_size == 2 and cfg.data.patch_size == 4
+    report = run(cfg, "predict")
+    assert report.stats["items"] == 6 and report.stats["hits"] > 0
+    assert report.max_abs_difference < 1e-5
+    assert torch.cat(report.outputs).shape == (6, 16)
 
 
 def test_validate_app_on_a_batch_first_tower():

@@ -31,7 +31,7 @@ def eager() -> torch.Tensor:
 
 def graphed_stats(eager: torch.Tensor, **options) -> dict[str, float]:
     """``last_stats`` of a predict run with these options; its outputs must equal eager."""
-    callback = CUDAGraphCallback(**options)
+    callback = CUDAGraphCallback(**options, capture="first_use")
     torch.testing.assert_close(predictions(callback), eager, rtol=1e-5, atol=1e-6)
     return callback.last_stats
 
@@ -83,7 +83,7 @@ def test_min_padding_packing_pads_less_than_next_fit(eager):
 
 @pytest.mark.parametrize("keep_graphs", [True, False])
 def test_keep_graphs_decides_whether_the_next_run_captures_again(keep_graphs):
-    callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=keep_graphs)
+    callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=keep_graphs, capture="first_use")
     net, run = model(), trainer(callback)
     capture_seconds = []
     for _ in range(2):
@@ -103,7 +103,7 @@ def test_verify_catches_a_graph_forward_that_differs_from_eager(eager, monkeypat
         return 2 * graph_forward(self, path, buffers)
 
     monkeypatch.setattr(PackedEncoderAdapter, "graph_forward", doubled)
-    callback = CUDAGraphCallback(budgets=BUDGETS, verify=verify)
+    callback = CUDAGraphCallback(budgets=BUDGETS, verify=verify, capture="first_use")
     if verify:
         with pytest.raises(RuntimeError, match="graph replay differs from eager"):
             predictions(callback)
@@ -130,7 +130,9 @@ def test_splitting_ops_absent_from_the_tower_take_the_piecewise_fallback(
 
 
 def test_splitting_ops_absent_from_the_tower_fail_without_a_fallback():
-    callback = CUDAGraphCallback(mode="piecewise", **FEW_GRAPHS, splitting_ops=["aten::max_pool2d"])
+    callback = CUDAGraphCallback(
+        mode="piecewise", **FEW_GRAPHS, splitting_ops=["aten::max_pool2d"], capture="first_use"
+    )
     with pytest.raises(PiecewiseUnsupported, match="max_pool2d"):
         predictions(callback)
 

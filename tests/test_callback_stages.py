@@ -57,7 +57,7 @@ class ForwardAtEnd(Callback):
 @pytest.mark.parametrize("stages", [["predict"], ["validate"]])
 def test_only_the_configured_stages_run_through_graphs(stages):
     net = ForwardSpy()
-    callback = CUDAGraphCallback(budgets=BUDGETS, stages=stages)
+    callback = CUDAGraphCallback(budgets=BUDGETS, stages=stages, capture="first_use")
     run = trainer(callback)
     run.validate(net, datamodule(), verbose=False)
     run.predict(net, datamodule())
@@ -72,7 +72,9 @@ def test_only_the_configured_stages_run_through_graphs(stages):
 def test_the_sanity_check_runs_through_graphs_only_when_asked(capture_during_sanity_check):
     net = ForwardSpy()
     callback = CUDAGraphCallback(
-        budgets=BUDGETS, capture_during_sanity_check=capture_during_sanity_check
+        budgets=BUDGETS,
+        capture_during_sanity_check=capture_during_sanity_check,
+        capture="first_use",
     )
     run = trainer(callback, num_sanity_val_steps=1, max_epochs=1, limit_val_batches=1)
     run.fit(net, datamodule())
@@ -83,7 +85,7 @@ def test_the_sanity_check_runs_through_graphs_only_when_asked(capture_during_san
 def test_the_original_forward_is_back_before_later_end_hooks_run():
     net = ForwardSpy()
     later = ForwardAtEnd()
-    run = trainer(CUDAGraphCallback(budgets=BUDGETS), later)
+    run = trainer(CUDAGraphCallback(budgets=BUDGETS, capture="first_use"), later)
     run.validate(net, datamodule(), verbose=False)
     run.predict(net, datamodule())
     assert later.seen == [("validate", True), ("predict", True)]

@@ -448,7 +448,9 @@ def test_a_cublas_allocation_failure_costs_only_the_budgets_that_failed(capture_
     encoder = FailingEncoder(
         tower, lambda spec: spec.token_budget == 32, lambda: RuntimeError(CUBLAS_ALLOC_FAILED)
     )
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture_errors=capture_errors)
+    manager = EncoderGraphManager(
+        encoder, budgets=BUDGETS, capture_errors=capture_errors, capture="first_use"
+    )
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_and_compare(manager, tower, [[5, 7], [30], [9]])
@@ -471,7 +473,9 @@ class CublasFailureInCaptureEncoder(ToyEncoder):
 def test_cuda_a_cublas_allocation_failure_inside_a_capture_keeps_the_smaller_budgets():
     torch.manual_seed(0)
     tower = ToyTower().cuda().eval()
-    manager = EncoderGraphManager(CublasFailureInCaptureEncoder(tower), budgets=BUDGETS)
+    manager = EncoderGraphManager(
+        CublasFailureInCaptureEncoder(tower), budgets=BUDGETS, capture="first_use"
+    )
     rng = random.Random(1)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -465,7 +465,9 @@ def check_packed_outputs_survive_later_replays(adapter_class: type, device: str)
     config = PackedViTConfig(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
     tower = PackedViT(config).to(device).eval()
     adapter = adapter_class(tower, min_token_budget=4)
-    manager = EncoderGraphManager(adapter, budgets=BudgetConfig(budgets=[32]), max_items=2)
+    manager = EncoderGraphManager(
+        adapter, budgets=BudgetConfig(budgets=[32]), max_items_per_batch=2, capture="first_use"
+    )
 
     def call(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
@@ -503,9 +505,7 @@ def test_path_budgets_set_the_padding_of_their_path_only():
     tokens, lengths = make_batch(random.Random(13), [5, 6])  # local 11 tokens, global 8
     padded = []
     for path_budgets in (None, {"global": BudgetConfig(budgets=[32])}):
-        manager = manager_for(
-            tower, budgets=BudgetConfig(budgets=[16, 64]), path_budgets=path_budgets
-        )
+        manager = manager_for(tower, budgets=BudgetConfig(budgets=[16, 64]), paths=path_budgets)
         with torch.no_grad():
             assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
         padded.append(manager.stats.padded_tokens)

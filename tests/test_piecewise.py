@@ -435,7 +435,11 @@ def test_piecewise_runs_an_item_of_more_frames_than_its_graph_holds_eagerly():
     # Images only: the piecewise graph's metadata holds one frame per item, one item.
     adapter = PackedEncoderAdapter(tower, min_token_budget=4, max_token_budget=64)
     manager = EncoderGraphManager(
-        adapter, mode="piecewise", budgets=BudgetConfig(budgets=[64]), max_items=1
+        adapter,
+        mode="piecewise",
+        budgets=BudgetConfig(budgets=[64]),
+        max_items_per_batch=1,
+        capture="first_use",
     )
     video, image = torch.randn(3, 3, 8, 8), torch.randn(3, 8, 8)
     with torch.no_grad():

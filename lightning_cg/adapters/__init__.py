@@ -20,7 +20,8 @@ def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
 
     Args:
         tower: the vision tower.
-        name: ``packed`` (``tower(pixel_patches, grid_thw)``), ``batched``
+        name: ``packed`` (``tower(pixel_patches, grid_thw)``; the Qwen vision
+            towers of transformers get their own packed adapter), ``batched``
             (``tower(x)``, items are batch rows, one tensor out), ``hf``
             (``tower(pixel_values=x, **options)``, items are batch rows, a
             ``ModelOutput``, tuple or dict of tensors out: transformers towers;
@@ -40,6 +41,10 @@ def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
             return tower
         name = _adapter_name_by_type(tower)
     if name == "packed":
+        from lightning_cg.adapters.qwen import QwenVisionAdapter, qwen_tower_kind
+
+        if qwen_tower_kind(tower) is not None:
+            return QwenVisionAdapter(tower)
         from lightning_cg.adapters.packed import PackedEncoderAdapter
 
         return PackedEncoderAdapter(tower)
@@ -54,9 +59,10 @@ def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
 
 def _adapter_name_by_type(tower: nn.Module) -> str:
     from lightning_cg.adapters.hf import is_transformers_tower
+    from lightning_cg.adapters.qwen import qwen_tower_kind
     from lightning_cg.models.packed_vit import PackedViT
 
-    if isinstance(tower, PackedViT):
+    if isinstance(tower, PackedViT) or qwen_tower_kind(tower) is not None:
         return "packed"
     if type(tower).__module__.startswith(BATCH_FIRST_LIBRARIES):
         return "batched"

@@ -18,15 +18,14 @@ host and copied straight into the graph's buffers.
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from lightning_cg.adapters import as_slice, join_rows
+from lightning_cg.adapters import join_rows
+from lightning_cg.adapters.packed_inputs import PackedInputs, read_packed_call, select_packed_items
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 LOCAL_PATH = "local"
@@ -85,21 +84,6 @@ class PackedTower(Protocol):
     def encode_local(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor: ...
 
     def encode_global(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor: ...
-
-
-@dataclass
-class PackedInputs:
-    """One call of a packed tower.
-
-    Attributes:
-        pixel_patches: ``(sum(t*h*w), C*p*p)`` patches, item after item.
-        grid_thw: ``(N, 3)`` integer tensor of frames, patch rows, patch columns.
-        grid: ``grid_thw`` on the host, read once per call outside any graph.
-    """
-
-    pixel_patches: torch.Tensor
-    grid_thw: torch.Tensor
-    grid: list[tuple[int, int, int]]
 
 
 class PackedEncoderAdapter:
@@ -190,34 +174,14 @@ class PackedEncoderAdapter:
         """
         bound = _CALL.bind(*args, **kwargs).arguments
         pixel_patches, grid_thw = bound["pixel_patches"], bound["grid_thw"]
-        if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point():
-            raise ValueError(f"grid_thw must be an integer tensor, got {_describe(grid_thw)}")
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
-            raise ValueError(f"grid_thw must have shape [N, 3], got {list(grid_thw.shape)}")
-        if not isinstance(pixel_patches, torch.Tensor) or not pixel_patches.is_floating_point():
-            raise ValueError(
-                f"pixel_patches must be a floating-point tensor, got {_describe(pixel_patches)}"
-            )
         parameter = next(self.tower.parameters(), None)
-        if parameter is not None and pixel_patches.device != parameter.device:
-            raise ValueError(
-                f"pixel_patches is on {pixel_patches.device}, the tower on {parameter.device}: "
-                "move the batch to the tower's device"
-            )
-        grid = [(t, h, w) for t, h, w in grid_thw.tolist()]
-        self._check_grid(grid)
-        rows = sum(t * h * w for t, h, w in grid)
-        if pixel_patches.dim() != 2 or pixel_patches.shape[1] != self._patch_dim:
-            raise ValueError(
-                f"pixel_patches must have shape [{rows}, {self._patch_dim}] (sum of t*h*w "
-                f"over grid_thw, C*p*p), got {list(pixel_patches.shape)}"
-            )
-        if pixel_patches.shape[0] != rows:
-            raise ValueError(
-                f"grid_thw disagrees with pixel_patches: its {len(grid)} items have {rows} "
-                f"patches (sum of t*h*w), pixel_patches has {pixel_patches.shape[0]} rows; "
-                "pass the grid_thw these patches were cut with"
-            )
+        grid = read_packed_call(
+            pixel_patches,
+            grid_thw,
+            self._patch_dim,
+            self.tower.config.spatial_merge_size,
+            None if parameter is None else parameter.device,
+        )
         return PackedInputs(pixel_patches, grid_thw, grid)
 
     def item_specs(self, inputs: PackedInputs) -> list[ItemSpec]:
@@ -238,21 +202,7 @@ class PackedEncoderAdapter:
     def select_items(self, inputs: PackedInputs, indices: Sequence[int]) -> PackedInputs:
         """The patches and grid rows of the items at ``indices``, in that order
         (views when the items are consecutive)."""
-        offsets = [0, *itertools.accumulate(t * h * w for t, h, w in inputs.grid)]
-        consecutive = as_slice(indices)
-        if consecutive is not None:
-            start, stop = consecutive.start, consecutive.stop
-            return PackedInputs(
-                pixel_patches=inputs.pixel_patches[offsets[start] : offsets[stop]],
-                grid_thw=inputs.grid_thw[consecutive],
-                grid=inputs.grid[consecutive],
-            )
-        pieces = [inputs.pixel_patches[offsets[i] : offsets[i + 1]] for i in indices]
-        return PackedInputs(
-            pixel_patches=torch.cat([inputs.pixel_patches[:0], *pieces]),
-            grid_thw=inputs.grid_thw[list(indices)],
-            grid=[inputs.grid[i] for i in indices],
-        )
+        return select_packed_items(inputs, indices)
 
     def graph_signature(self, inputs: PackedInputs) -> Hashable:
         """Patch dtype and device; resolution is what the budgets absorb."""
@@ -324,15 +274,6 @@ class PackedEncoderAdapter:
             dtype=next(self.tower.parameters()).dtype,
             device=inputs.pixel_patches.device,
         )
-
-    def _check_grid(self, grid: list[tuple[int, int, int]]) -> None:
-        merge = self.tower.config.spatial_merge_size
-        for index, (t, h, w) in enumerate(grid):
-            if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
-                raise ValueError(
-                    f"grid_thw[{index}] is {[t, h, w]}; frames must be >= 1 and patch rows "
-                    f"and columns positive multiples of spatial_merge_size ({merge})"
-                )
 
     def _check_path(self, path: str) -> None:
         if path not in PATHS:

@@ -27,7 +27,7 @@ def normalize(image: torch.Tensor) -> torch.Tensor:
 
 
 def collate_packed(
-    samples: Sequence[Sample], patch_size: int, merge_size: int = 2
+    samples: Sequence[Sample], patch_size: int, merge_size: int = 2, temporal_patch_size: int = 1
 ) -> dict[str, torch.Tensor]:
     """Pack images ``[C, H, W]`` and videos ``[T, C, H, W]`` into one batch.
 
@@ -36,15 +36,16 @@ def collate_packed(
             ``patch_size * merge_size``.
         patch_size: the tower's patch size.
         merge_size: the tower's spatial merge size.
+        temporal_patch_size: the tower's frames per patch (2 for the Qwen towers).
 
     Returns:
-        ``pixel_patches`` ``[sum(t*h*w), C*p*p]``, ``grid_thw`` ``[N, 3]`` and
+        ``pixel_patches`` ``[sum(t*h*w), C*tp*p*p]``, ``grid_thw`` ``[N, 3]`` and
         ``targets`` ``[N]``.
     """
     from lightning_cg.models.packed_vit import patchify
 
     items, targets = zip(*samples, strict=True)
-    pixel_patches, grid_thw = patchify(list(items), patch_size, merge_size)
+    pixel_patches, grid_thw = patchify(list(items), patch_size, merge_size, temporal_patch_size)
     return {
         "pixel_patches": pixel_patches,
         "grid_thw": grid_thw,

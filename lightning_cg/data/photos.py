@@ -135,6 +135,7 @@ class PhotosDataModule(SplitsDataModule):
         fixed_size: square side for batch-first towers; None for packed batches.
         num_workers: DataLoader workers.
         num_classes: targets cycle through this many classes.
+        temporal_patch_size: the tower's frames per patch (2 for the Qwen towers).
 
     Example:
         >>> datamodule = PhotosDataModule(batch_size=4, max_side=256, patch_size=16)
@@ -151,6 +152,7 @@ class PhotosDataModule(SplitsDataModule):
         fixed_size: int | None = None,
         num_workers: int = 0,
         num_classes: int = 10,
+        temporal_patch_size: int = 1,
     ) -> None:
         super().__init__()
         positive = {
@@ -158,6 +160,7 @@ class PhotosDataModule(SplitsDataModule):
             "patch_size": patch_size,
             "merge_size": merge_size,
             "num_classes": num_classes,
+            "temporal_patch_size": temporal_patch_size,
         }
         if fixed_size is not None:
             positive["fixed_size"] = fixed_size
@@ -173,6 +176,7 @@ class PhotosDataModule(SplitsDataModule):
         self.max_side = max_side
         self.patch_size = patch_size
         self.merge_size = merge_size
+        self.temporal_patch_size = temporal_patch_size
         self.fixed_size = fixed_size
         self.num_workers = num_workers
         self.num_classes = num_classes
@@ -186,7 +190,10 @@ class PhotosDataModule(SplitsDataModule):
     def _loader(self, shuffle: bool) -> DataLoader:
         if self.fixed_size is None:
             collate = partial(
-                collate_packed, patch_size=self.patch_size, merge_size=self.merge_size
+                collate_packed,
+                patch_size=self.patch_size,
+                merge_size=self.merge_size,
+                temporal_patch_size=self.temporal_patch_size,
             )
         else:
             collate = collate_batched

@@ -171,6 +171,7 @@ class SyntheticDataModule(SplitsDataModule):
         patch_size: the tower's patch size.
         merge_size: the tower's spatial merge size; sides are multiples of
             ``patch_size * merge_size``.
+        temporal_patch_size: the tower's frames per patch (2 for the Qwen towers).
         video_fraction: probability that an item is a video.
         num_classes: targets are drawn from ``range(num_classes)``.
         max_frames: videos have 2 to ``max_frames`` frames.
@@ -196,6 +197,7 @@ class SyntheticDataModule(SplitsDataModule):
         num_classes: int = 10,
         max_frames: int = 4,
         num_workers: int = 0,
+        temporal_patch_size: int = 1,
     ) -> None:
         super().__init__()
         self.dataset = SyntheticItems(
@@ -208,7 +210,12 @@ class SyntheticDataModule(SplitsDataModule):
             num_classes,
             max_frames,
         )
-        collate = partial(collate_packed, patch_size=patch_size, merge_size=merge_size)
+        collate = partial(
+            collate_packed,
+            patch_size=patch_size,
+            merge_size=merge_size,
+            temporal_patch_size=temporal_patch_size,
+        )
         self._loader = partial(
             DataLoader,
             self.dataset,

@@ -36,9 +36,10 @@ class VisionClassifier(pl.LightningModule):
 
     Takes both batch kinds of :mod:`lightning_cg.data`: packed batches
     ``{"pixel_patches", "grid_thw", "targets"}`` for towers with a ``config`` such
-    as :class:`~lightning_cg.models.packed_vit.PackedViT` (each image's output
-    rows are averaged), and batch-first batches ``{"images", "targets"}`` (the
-    tower's ``[B, ...]`` output is flattened per image).
+    as :class:`~lightning_cg.models.packed_vit.PackedViT` or the Qwen vision
+    towers of transformers (each image's output tokens, for a transformers
+    tower its ``pooler_output``, are averaged), and batch-first batches
+    ``{"images", "targets"}`` (the tower's ``[B, ...]`` output is flattened per image).
 
     Args:
         vision_tower: the tower; its forward is what the callback graphs.
@@ -70,7 +71,9 @@ class VisionClassifier(pl.LightningModule):
     def embed(self, batch: Batch) -> torch.Tensor:
         """One pooled embedding per image, ``[N, embed_dim]``."""
         if "pixel_patches" in batch:
-            tokens = self.vision_tower(batch["pixel_patches"], batch["grid_thw"])  # (T, D)
+            output = self.vision_tower(batch["pixel_patches"], batch["grid_thw"])
+            # A transformers tower returns a ModelOutput; its merged tokens are the pooler output.
+            tokens = getattr(output, "pooler_output", output)  # (T, D)
             return pool_items(tokens, self._tokens_per_item(batch["grid_thw"]))
         if "images" in batch:
             return self.vision_tower(batch["images"]).flatten(1)
@@ -103,12 +106,15 @@ class VisionClassifier(pl.LightningModule):
         from lightning_cg.models.packed_vit import tokens_per_item
 
         config = getattr(self.vision_tower, "config", None)
-        if config is None:
+        if not hasattr(config, "spatial_merge_size"):
             raise ValueError(
-                f"packed batches need a tower with a PackedViTConfig at .config; "
-                f"{type(self.vision_tower).__name__} has none"
+                "packed batches need a tower with a config holding spatial_merge_size "
+                f"(a PackedViTConfig or a Qwen vision config); {type(self.vision_tower).__name__} "
+                "has none"
             )
-        return tokens_per_item(grid_thw, config)
+        if hasattr(config, "global_view"):
+            return tokens_per_item(grid_thw, config)
+        return [t * h * w // config.spatial_merge_size**2 for t, h, w in grid_thw.tolist()]
 
 
 def pool_items(tokens: torch.Tensor, tokens_per_item: list[int]) -> torch.Tensor:
@@ -183,7 +189,8 @@ def build_tower(name: str, **overrides: Any) -> nn.Module:
 def embed_dim_of(tower: nn.Module) -> int:
     """Width of one pooled embedding of ``tower``.
 
-    Packed towers report ``config.out_hidden_size``; torchvision ResNets their
+    Packed towers report ``config.out_hidden_size`` (the Qwen2-VL vision tower
+    of transformers ``config.hidden_size``); torchvision ResNets their
     ``fc`` outputs; torchvision ViTs and timm models ``num_classes`` (or
     ``num_features`` when their head was removed with ``num_classes=0``).
 
@@ -193,6 +200,8 @@ def embed_dim_of(tower: nn.Module) -> int:
     config = getattr(tower, "config", None)
     if hasattr(config, "out_hidden_size"):
         return config.out_hidden_size
+    if getattr(config, "model_type", None) == "qwen2_vl_vision":
+        return config.hidden_size  # the merger's output; embed_dim is the blocks' width
     fc = getattr(tower, "fc", None)
     if isinstance(fc, nn.Linear):
         return fc.out_features

@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -31,18 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch without variable-length flash attention
-    varlen_attn = None
+from lightning_cg.attention import Attend, sequence_attention, varlen_supported
+from lightning_cg.attention import block_diagonal_mask as block_diagonal_mask  # re-exported
 
 #: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
 GridTHW = torch.Tensor | Sequence[Sequence[int]]
 
 _ROPE_THETA = 10000.0
 _LAYER_NORM_EPS = 1e-6  # torchvision's, so its weights load unchanged
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -136,24 +132,35 @@ def packed_vit_small_config(**overrides) -> PackedViTConfig:
 
 
 def patchify(
-    items: Sequence[torch.Tensor], patch_size: int, spatial_merge_size: int = 2
+    items: Sequence[torch.Tensor],
+    patch_size: int,
+    spatial_merge_size: int = 2,
+    temporal_patch_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut images and videos into packed patches.
 
     Rows go item after item, frame after frame, and within a frame window after
     window (row-major) so that every ``merge x merge`` window is consecutive rows,
-    themselves row-major. A row is one patch flattened as ``(C, p, p)``.
+    themselves row-major. A row is one patch flattened as ``(C, p, p)``, or with
+    a temporal patch (the Qwen vision towers' ``temporal_patch_size``) as
+    ``(C, tp, p, p)`` over ``tp`` consecutive frames: an item's frames are
+    padded to a multiple of ``tp`` by repeating its last frame, as the Qwen
+    processors do.
 
     Args:
         items: images ``[C, H, W]`` and videos ``[T, C, H, W]``; ``H`` and ``W``
             multiples of ``patch_size * spatial_merge_size``.
         patch_size: side of a patch in pixels.
         spatial_merge_size: side of a merge window in patches.
+        temporal_patch_size: frames in one patch.
 
     Returns:
-        ``pixel_patches`` ``(sum(t*h*w), C*p*p)`` and ``grid_thw``, a CPU
-        ``LongTensor`` ``(N, 3)`` of frames and patch rows and columns per item.
+        ``pixel_patches`` ``(sum(t*h*w), C*tp*p*p)`` and ``grid_thw``, a CPU
+        ``LongTensor`` ``(N, 3)`` of frames (``ceil(T / tp)``) and patch rows and
+        columns per item.
     """
+    if temporal_patch_size < 1:
+        raise ValueError(f"temporal_patch_size must be >= 1, got {temporal_patch_size}")
     side = patch_size * spatial_merge_size
     patches, grid = [], []
     for index, item in enumerate(items):
@@ -163,9 +170,13 @@ def patchify(
                 f"items[{index}] has shape {tuple(item.shape)}; expected [C, H, W] or "
                 f"[T, C, H, W] with H and W multiples of {side}"
             )
-        patches.append(_patchify_frames(frames, patch_size, spatial_merge_size))
+        missing = -frames.shape[0] % temporal_patch_size
+        frames = torch.cat([frames, frames[-1:].expand(missing, -1, -1, -1)])
+        patches.append(
+            _patchify_frames(frames, patch_size, spatial_merge_size, temporal_patch_size)
+        )
         t, _, height, width = frames.shape
-        grid.append((t, height // patch_size, width // patch_size))
+        grid.append((t // temporal_patch_size, height // patch_size, width // patch_size))
     return torch.cat(patches), torch.tensor(grid, dtype=torch.long).reshape(-1, 3)
 
 
@@ -173,18 +184,6 @@ def tokens_per_item(grid_thw: GridTHW, config: PackedViTConfig) -> list[int]:
     """Output rows of each item of :meth:`PackedViT.forward`, global view included."""
     extra = config.global_tokens if config.global_view else 0
     return [tokens + extra for tokens in _local_tokens(_as_grid(grid_thw), config)]
-
-
-def block_diagonal_mask(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
-    """``(rows, rows)`` boolean mask: row i may attend row j iff both lie in one sequence.
-
-    Built on the device without host syncs. Rows past ``cu_seqlens[-1]`` (padding)
-    share one id of their own, so they attend only each other and never produce NaN;
-    empty sequences (repeated offsets) own no rows.
-    """
-    positions = torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    sequence_ids = torch.searchsorted(cu_seqlens[1:], positions, right=True)  # (rows,)
-    return sequence_ids[:, None] == sequence_ids[None, :]
 
 
 class PackedViT(nn.Module):
@@ -307,7 +306,7 @@ class PackedViT(nn.Module):
             ``(T / merge**2, out_hidden_size)``.
         """
         x = self.patch_embed(pixel_patches.to(self.patch_embed.weight.dtype))  # (T, D)
-        attend = _frame_attention(cu_seqlens, x.shape[0], max_seqlen, self._uses_varlen(x.device))
+        attend = sequence_attention(cu_seqlens, x.shape[0], max_seqlen, self._uses_varlen(x.device))
         rotary_cos, rotary_sin = self._rotary_tables(positions)
         for block in self.blocks:
             x = block(x, rotary_cos, rotary_sin, attend)
@@ -374,13 +373,10 @@ class PackedViT(nn.Module):
         return self.forward_packed(patches, **metadata, max_seqlen=max_seqlen)
 
     def _uses_varlen(self, device: torch.device) -> bool:
-        if varlen_attn is None or device.type != "cuda":
-            return False
         dtype = self.patch_embed.weight.dtype
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        head_dim = self.config.head_dim
-        return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+        return varlen_supported(dtype, device, self.config.head_dim)
 
 
 class _Attention(nn.Module):
@@ -437,29 +433,6 @@ class _PatchMerger(nn.Module):
         return self.mlp(self.norm(x).reshape(-1, self.window_width))  # (T / merge**2, out)
 
 
-def _frame_attention(
-    cu_seqlens: torch.Tensor, rows: int, max_seqlen: int, use_varlen: bool
-) -> Attend:
-    """Attention within each frame: ``q, k, v (T, H, hd) -> (T, H, hd)``."""
-    if use_varlen and rows > 0:  # varlen attention refuses an empty batch
-        # Flash attention never writes rows past the last sequence; zero them so
-        # padding holds no stale memory.
-        inside = torch.arange(rows, device=cu_seqlens.device) < cu_seqlens[-1]
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-            return torch.where(inside[:, None, None], out, 0.0)
-
-        return attend
-    mask = block_diagonal_mask(cu_seqlens, rows)  # (T, T)
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (tensor.transpose(0, 1) for tensor in (q, k, v))  # (H, T, hd)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
-
-    return attend
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in float32: x ``(T, H, hd)``, cos and sin ``(T, hd // 2)``."""
     first, second = x.float().chunk(2, dim=-1)
@@ -487,13 +460,15 @@ def _patch_offsets(grid: list[tuple[int, int, int]]) -> list[int]:
     return [0, *itertools.accumulate(t * h * w for t, h, w in grid)]
 
 
-def _patchify_frames(frames: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
-    """``(T, C, H, W) -> (T*h*w, C*p*p)`` in merge-window order."""
-    t, c, height, width = frames.shape
-    h, w = height // patch, width // patch
-    x = frames.reshape(t, c, h // merge, merge, patch, w // merge, merge, patch)
-    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # (t, h/m, w/m, m, m, c, p, p)
-    return x.reshape(t * h * w, c * patch * patch)
+def _patchify_frames(
+    frames: torch.Tensor, patch: int, merge: int, temporal: int = 1
+) -> torch.Tensor:
+    """``(T, C, H, W) -> (T/tp*h*w, C*tp*p*p)`` in merge-window order; ``T`` a multiple of tp."""
+    frame_count, c, height, width = frames.shape
+    t, h, w = frame_count // temporal, height // patch, width // patch
+    x = frames.reshape(t, temporal, c, h // merge, merge, patch, w // merge, merge, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h/m, w/m, m, m, c, tp, p, p)
+    return x.reshape(t * h * w, c * temporal * patch * patch)
 
 
 def _unpatchify_frame(

@@ -43,7 +43,9 @@ def tiny_tower(kind: str, attention: str = "sdpa") -> nn.Module:
 
 
 def manager_for(tower: nn.Module, **kwargs) -> EncoderGraphManager:
-    return EncoderGraphManager(HFEncoderAdapter(tower), budgets=BUDGETS, verify=True, **kwargs)
+    return EncoderGraphManager(
+        HFEncoderAdapter(tower), budgets=BUDGETS, verify=True, **kwargs, capture="first_use"
+    )
 
 
 def execute(manager: EncoderGraphManager, *args, **kwargs):
@@ -235,7 +237,7 @@ def test_piecewise_mode_splits_the_tower_at_attention():
 def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     tower = tiny_tower("clip")
     encoder = CompiledEncoder(HFEncoderAdapter(tower), backend="eager")
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS)
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     x = torch.randn(3, 3, 32, 32)
     assert_same_output(execute(manager, x), eager(tower, x))
 
@@ -322,7 +324,7 @@ class Backbone(LightningModule):
 def test_through_the_callback_with_no_user_code(kind, options):
     model = Backbone(tiny_tower(kind), **options)
     batches = DataLoader(list(torch.randn(3, 5, 3, 32, 32)), batch_size=None)
-    callback = CUDAGraphCallback(module="backbone", budgets={"max_budget": 4})
+    callback = CUDAGraphCallback(module="backbone", budgets={"max_budget": 4}, capture="first_use")
     graphed = trainer(callback).predict(model, batches)
     expected = trainer().predict(model, batches)
     for got, want in zip(graphed, expected, strict=True):
@@ -346,7 +348,9 @@ def clip_vit_b16_bf16() -> nn.Module:
 def test_clip_vit_b16_bf16_graphs_match_eager_sdpa(batch_size, options):
     tower = clip_vit_b16_bf16()
     assert tower.config._attn_implementation == "sdpa"
-    manager = EncoderGraphManager(HFEncoderAdapter(tower), budgets=BudgetConfig(max_budget=8))
+    manager = EncoderGraphManager(
+        HFEncoderAdapter(tower), budgets=BudgetConfig(max_budget=8), capture="first_use"
+    )
     for _ in range(2):
         x = torch.randn(batch_size, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
         out = execute(manager, x, **options)
@@ -358,7 +362,7 @@ def test_clip_vit_b16_bf16_graphs_match_eager_sdpa(batch_size, options):
 def test_clip_through_the_callback_in_bf16_mixed_on_cuda():
     model = Backbone(tiny_tower("clip"), output_hidden_states=True)
     batches = DataLoader([torch.randn(n, 3, 32, 32) for n in (1, 8, 3, 8)], batch_size=None)
-    callback = CUDAGraphCallback(module="backbone", budgets={"max_budget": 8})
+    callback = CUDAGraphCallback(module="backbone", budgets={"max_budget": 8}, capture="first_use")
     options = dict(accelerator="gpu", devices=1, precision="bf16-mixed")
     graphed = trainer(callback, **options).predict(model, batches)
     expected = trainer(**options).predict(model, batches)

@@ -47,6 +47,21 @@ def test_patchify_orders_items_then_frames_and_flattens_channels_first():
     torch.testing.assert_close(patches[16 + 32], video[1, :, :2, :2].flatten())  # frame 1
 
 
+def test_patchify_with_a_temporal_patch_flattens_frame_pairs_as_qwen_does():
+    """Rows are (C, tp, p, p) over tp consecutive frames; an odd last frame is repeated."""
+    video = torch.randn(3, 2, 8, 16)  # T=3: frames (0, 1) and (2, 2)
+    image = torch.randn(2, 8, 8)
+    patches, grid_thw = patchify([video, image], patch_size=2, temporal_patch_size=2)
+    assert grid_thw.tolist() == [[2, 4, 8], [1, 4, 4]]
+    assert patches.shape == (2 * 32 + 16, 2 * 2 * 2 * 2)
+    first_window_row = video[0:2, :, :2, 2:4].transpose(0, 1).flatten()  # window 0, patch 1
+    torch.testing.assert_close(patches[1], first_window_row)
+    repeated = torch.stack([video[2], video[2]])[:, :, :2, :2].transpose(0, 1).flatten()
+    torch.testing.assert_close(patches[32], repeated)
+    image_pair = torch.stack([image, image])[:, :, 2:4, 2:4].transpose(0, 1).flatten()
+    torch.testing.assert_close(patches[64 + 3], image_pair)  # window 0, patch (1, 1)
+
+
 def test_patchify_rejects_sizes_off_the_merge_grid():
     with pytest.raises(ValueError, match=r"items\[1\].*multiples of 8"):
         patchify([torch.zeros(3, 8, 8), torch.zeros(3, 8, 12)], patch_size=PATCH)

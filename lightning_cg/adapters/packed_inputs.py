@@ -1,0 +1,128 @@
+"""The call of a packed tower, ``tower(patches [T, patch_dim], grid_thw [N, 3])``, for adapters.
+
+Items of any resolution are packed patch after patch (the Qwen2-VL convention):
+``grid_thw`` holds each item's frames, patch rows and patch columns, and item
+``i`` owns ``t * h * w`` consecutive rows of the patches. Shared by the adapters
+of :class:`~lightning_cg.models.packed_vit.PackedViT` and of the Qwen vision towers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from lightning_cg.adapters import as_slice
+
+#: Items as host ``(t, h, w)`` triples: frames, patch rows, patch columns.
+Grid = list[tuple[int, int, int]]
+
+
+@dataclass
+class PackedInputs:
+    """One call of a packed tower.
+
+    Attributes:
+        pixel_patches: ``(sum(t*h*w), patch_dim)`` patches, item after item.
+        grid_thw: ``(N, 3)`` integer tensor of frames, patch rows, patch columns.
+        grid: ``grid_thw`` on the host, read once per call outside any graph.
+    """
+
+    pixel_patches: torch.Tensor
+    grid_thw: torch.Tensor
+    grid: Grid
+
+
+Inputs = TypeVar("Inputs", bound=PackedInputs)
+
+
+def read_packed_call(
+    patches: object,
+    grid_thw: object,
+    patch_dim: int,
+    merge: int,
+    device: torch.device | None,
+    patches_name: str = "pixel_patches",
+) -> Grid:
+    """Check the patches and grid of a packed call and read the grid on the host.
+
+    Args:
+        patches: the call's patches argument.
+        grid_thw: the call's ``grid_thw`` argument.
+        patch_dim: width of one row of the patches.
+        merge: the tower's spatial merge size; patch rows and columns are multiples of it.
+        device: the tower's device; None when it has no parameters.
+        patches_name: the name of the patches argument in the tower's call, for messages.
+
+    Raises:
+        ValueError: an argument has the wrong type, shape, size or device, or
+            ``grid_thw`` disagrees with the patches; the message names it.
+    """
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point():
+        raise ValueError(f"grid_thw must be an integer tensor, got {describe(grid_thw)}")
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        raise ValueError(f"grid_thw must have shape [N, 3], got {list(grid_thw.shape)}")
+    if not isinstance(patches, torch.Tensor) or not patches.is_floating_point():
+        raise ValueError(f"{patches_name} must be a floating-point tensor, got {describe(patches)}")
+    if device is not None and patches.device != device:
+        raise ValueError(
+            f"{patches_name} is on {patches.device}, the tower on {device}: "
+            "move the batch to the tower's device"
+        )
+    grid = [(t, h, w) for t, h, w in grid_thw.tolist()]
+    _check_grid(grid, merge)
+    rows = sum(t * h * w for t, h, w in grid)
+    if patches.dim() != 2 or patches.shape[1] != patch_dim:
+        raise ValueError(
+            f"{patches_name} must have shape [{rows}, {patch_dim}] (sum of t*h*w "
+            f"over grid_thw, patch width), got {list(patches.shape)}"
+        )
+    if patches.shape[0] != rows:
+        raise ValueError(
+            f"grid_thw disagrees with {patches_name}: its {len(grid)} items have {rows} "
+            f"patches (sum of t*h*w), {patches_name} has {patches.shape[0]} rows; "
+            "pass the grid_thw these patches were cut with"
+        )
+    return grid
+
+
+def select_packed_items(inputs: Inputs, indices: Sequence[int]) -> Inputs:
+    """The patches and grid rows of the items at ``indices``, in that order (views
+    when the items are consecutive); other fields of ``inputs`` are kept."""
+    offsets = [0, *itertools.accumulate(t * h * w for t, h, w in inputs.grid)]
+    consecutive = as_slice(indices)
+    if consecutive is not None:
+        start, stop = consecutive.start, consecutive.stop
+        return dataclasses.replace(
+            inputs,
+            pixel_patches=inputs.pixel_patches[offsets[start] : offsets[stop]],
+            grid_thw=inputs.grid_thw[consecutive],
+            grid=inputs.grid[consecutive],
+        )
+    pieces = [inputs.pixel_patches[offsets[i] : offsets[i + 1]] for i in indices]
+    return dataclasses.replace(
+        inputs,
+        pixel_patches=torch.cat([inputs.pixel_patches[:0], *pieces]),
+        grid_thw=inputs.grid_thw[list(indices)],
+        grid=[inputs.grid[i] for i in indices],
+    )
+
+
+def describe(value: object) -> str:
+    """A short description of an argument's type for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return type(value).__name__
+
+
+def _check_grid(grid: Grid, merge: int) -> None:
+    for index, (t, h, w) in enumerate(grid):
+        if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+            raise ValueError(
+                f"grid_thw[{index}] is {[t, h, w]}; frames must be >= 1 and patch rows "
+                f"and columns positive multiples of spatial_merge_size ({merge})"
+            )

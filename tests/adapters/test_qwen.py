@@ -1,0 +1,402 @@
+"""The Qwen vision towers of transformers through the graph manager and the callback.
+
+Tiny random towers: graphed outputs must equal each tower's own eager forward.
+"""
+
+import random
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters.qwen import QwenVisionAdapter
+from lightning_cg.callback import CUDAGraphCallback
+from lightning_cg.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.manager import BudgetConfig, EncoderGraphManager
+from lightning_cg.models.packed_vit import patchify
+
+transformers = pytest.importorskip("transformers")
+qwen2_vl = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
+
+PATCH, TEMPORAL, MERGE = 2, 2, 2
+PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Small budgets: a batch of a few items splits into several padded sub-batches.
+BUDGETS = BudgetConfig(min_budget=4, max_budget=16)
+
+
+def tiny_tower(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    sizes = dict(depth=3, num_heads=4, patch_size=PATCH, temporal_patch_size=TEMPORAL)
+    if kind == "qwen2_vl":
+        config = transformers.Qwen2VLVisionConfig(embed_dim=32, hidden_size=24, **sizes)
+        tower = qwen2_vl.Qwen2VisionTransformerPretrainedModel(config)
+    elif kind == "qwen2_5_vl":
+        # Windows of 2x2 merged tokens; block 1 attends over whole frames.
+        config = transformers.Qwen2_5_VLVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=24,
+            window_size=8,
+            fullatt_block_indexes=[1],
+            **sizes,
+        )
+        tower = transformers.Qwen2_5_VisionTransformerPretrainedModel(config)
+    else:
+        config = transformers.Qwen3VLVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=24,
+            deepstack_visual_indexes=[0, 1],
+            num_position_embeddings=16,
+            **sizes,
+        )
+        tower = transformers.Qwen3VLVisionModel(config)
+    return tower.to(device, dtype).eval()
+
+
+def random_batch(seed: int, count: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Images of mixed sizes and videos (t > 1; item ``count // 2`` is one), as
+    (hidden_states, grid_thw)."""
+    rng = random.Random(seed)
+    grid = [
+        (rng.choice([1, 1, 1, 2, 3]), MERGE * rng.randint(1, 4), MERGE * rng.randint(1, 4))
+        for _ in range(count)
+    ]
+    if count > 1:
+        grid[count // 2] = (2, *grid[count // 2][1:])
+    patches = sum(t * h * w for t, h, w in grid)
+    generator = torch.Generator().manual_seed(seed)
+    hidden_states = torch.randn(patches, PATCH_DIM, generator=generator)
+    return hidden_states.to(device), torch.tensor(grid, dtype=torch.long, device=device).reshape(
+        -1, 3
+    )
+
+
+def manager_for(tower, **kwargs) -> EncoderGraphManager:
+    adapter = adapter_for(tower)
+    options = dict(
+        mode="full", budgets=BUDGETS, max_items_per_batch=4, capture="first_use", **kwargs
+    )
+    return EncoderGraphManager(adapter, **options, capture="first_use")
+
+
+def assert_outputs_equal(actual, expected, **tolerance) -> None:
+    """Same type, same fields, every tensor close (lists and tuples entry by entry)."""
+    assert type(actual) is type(expected)
+    if isinstance(expected, tuple | list):
+        assert len(actual) == len(expected)
+        for actual_part, expected_part in zip(actual, expected, strict=True):
+            assert_outputs_equal(actual_part, expected_part, **tolerance)
+        return
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, **tolerance)
+        return
+    assert list(actual.keys()) == list(expected.keys())
+    for key in expected.keys():
+        assert_outputs_equal(actual[key], expected[key], **tolerance)
+
+
+def graphed(manager: EncoderGraphManager, hidden_states, grid_thw, **options):
+    inputs = manager.encoder.inputs_from_call((hidden_states,), {"grid_thw": grid_thw, **options})
+    with torch.no_grad():
+        return manager.execute(inputs)
+
+
+def eager(tower, hidden_states, grid_thw, **options):
+    with torch.no_grad():
+        return tower(hidden_states, grid_thw=grid_thw, **options)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_full_mode_equals_the_towers_forward(kind, seed):
+    tower = tiny_tower(kind)
+    manager = manager_for(tower, max_frames_per_batch=6)
+    hidden_states, grid_thw = random_batch(seed, count=6)
+    expected = eager(tower, hidden_states, grid_thw)
+    actual = graphed(manager, hidden_states, grid_thw)
+    assert_outputs_equal(actual, expected, rtol=1e-5, atol=1e-6)
+    stats = manager.stats
+    assert stats.sub_batches > 1 and stats.hits > 0 and stats.padded_tokens > 0
+    assert tower.config._attn_implementation == "sdpa"  # the user's, back after the graphs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("compositions", [12, pytest.param(200, marks=pytest.mark.slow)])
+def test_random_batch_compositions_equal_the_towers_forward(kind, compositions):
+    """One manager over many batches: mixed sizes, videos, single items, empty batches."""
+    tower = tiny_tower(kind)
+    manager = manager_for(tower, max_frames_per_batch=6)
+    rng = random.Random(kind)
+    for composition in range(compositions):
+        count = rng.choice([0, 1, 1, 2, 3, 5, 8])
+        hidden_states, grid_thw = random_batch(1000 + composition, count)
+        actual = graphed(manager, hidden_states, grid_thw)
+        if count:
+            assert_outputs_equal(
+                actual, eager(tower, hidden_states, grid_thw), rtol=1e-5, atol=1e-6
+            )
+        else:
+            assert actual.pooler_output.shape == (0, 24)
+    assert manager.stats.hits > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepstack_and_hidden_states_options_and_tuples(kind):
+    tower = tiny_tower(kind)
+    manager = manager_for(tower)
+    hidden_states, grid_thw = random_batch(3, count=5)
+    for options in (
+        {"output_hidden_states": True, "output_attentions": True},
+        {"return_dict": False},
+        {},
+    ):
+        expected = eager(tower, hidden_states, grid_thw, **options)
+        actual = graphed(manager, hidden_states, grid_thw, **options)
+        assert_outputs_equal(actual, expected, rtol=1e-5, atol=1e-6)
+    if kind == "qwen3_vl":
+        assert len(actual.deepstack_features) == 2
+    assert len(expected.keys()) == (3 if kind == "qwen3_vl" else 2)
+
+
+def fill(adapter: QwenVisionAdapter, buffers: dict, inputs, padding: float) -> None:
+    """The manager's copy before a replay, with the patches' padding rows set to ``padding``."""
+    rules = adapter.graph_config().padding_rules
+    for name, rows in adapter.replay_inputs("local", inputs).items():
+        buffer, count = buffers[name], rows.shape[0]
+        buffer[:count].copy_(rows)
+        if rules.get(name) == "repeat_last":
+            buffer[count:] = rows[-1]
+        elif name.startswith("hidden_states"):
+            buffer[count:] = padding
+        else:
+            buffer[count:] = 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_rows_do_not_change_the_real_rows(kind):
+    """One set of buffers far larger than the batch; whatever the padding patches
+    hold, the real rows equal the eager forward's."""
+    adapter = QwenVisionAdapter(tiny_tower(kind), max_frames_per_item=3)
+    inputs = adapter.inputs_from_call(random_batch(4, count=3), {})
+    tokens = sum(spec.output_tokens for spec in adapter.item_specs(inputs))
+    frames = sum(spec.num_frames for spec in adapter.item_specs(inputs))
+    signature = adapter.graph_signature(inputs)
+    spec = CaptureSpec(
+        "local", tokens + 24, max_items=8, max_frames=frames + 5, signature=signature
+    )
+    buffers = adapter.capture_inputs(spec)
+    assert buffers["cu_seqlens"].shape == (frames + 6,)
+    with torch.no_grad():
+        expected = adapter.eager_forward("local", inputs)
+        for padding in (0.0, 1e3):
+            fill(adapter, buffers, inputs, padding)
+            rows = adapter.graph_forward("local", buffers)
+            assert rows.shape == (tokens + 24, adapter.graph_config().out_hidden_size)
+            torch.testing.assert_close(rows[:tokens], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_qwen3_vl_moe_tower_is_served_as_qwen3_vl():
+    torch.manual_seed(0)
+    config = transformers.Qwen3VLMoeVisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=24,
+        num_heads=4,
+        patch_size=PATCH,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+    )
+    tower = transformers.Qwen3VLMoeVisionModel(config).eval()
+    manager = manager_for(tower)
+    assert manager.encoder.kind == "qwen3_vl"
+    hidden_states, grid_thw = random_batch(11, count=5)
+    expected = eager(tower, hidden_states, grid_thw)
+    assert_outputs_equal(graphed(manager, hidden_states, grid_thw), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_items_come_back_in_order_when_packing_reorders_them():
+    tower = tiny_tower("qwen2_5_vl")
+    manager = manager_for(tower, packing="min_padding")
+    hidden_states, grid_thw = random_batch(5, count=7)
+    expected = eager(tower, hidden_states, grid_thw)
+    assert_outputs_equal(graphed(manager, hidden_states, grid_thw), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_empty_batch_gives_empty_fields(kind):
+    tower = tiny_tower(kind)
+    manager = manager_for(tower)
+    output = graphed(manager, torch.zeros(0, PATCH_DIM), torch.zeros(0, 3, dtype=torch.long))
+    reference = eager(tower, *random_batch(6, count=1))
+    assert type(output) is type(reference)
+    for key in reference.keys():
+        value, width = output[key], reference[key]
+        for part, reference_part in zip(
+            value if isinstance(value, list) else [value],
+            width if isinstance(width, list) else [width],
+            strict=True,
+        ):
+            assert part.shape == (0, reference_part.shape[1])
+
+
+def test_patchify_cuts_images_as_the_qwen_processor_does():
+    """The project's data (patchify with a temporal patch) feeds these towers as
+    transformers' own Qwen2-VL image processor would."""
+    processor = transformers.Qwen2VLImageProcessor(
+        do_resize=False,
+        do_rescale=False,
+        do_normalize=False,
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+    )
+    images = [torch.rand(3, 8, 12), torch.rand(3, 4, 4)]
+    expected = processor(images=images, return_tensors="pt")
+    patches, grid_thw = patchify(images, PATCH, MERGE, TEMPORAL)
+    assert grid_thw.tolist() == expected["image_grid_thw"].tolist()
+    torch.testing.assert_close(patches, expected["pixel_values"])
+
+
+def test_adapter_is_chosen_by_type_and_for_the_packed_name():
+    for kind in KINDS:
+        tower = tiny_tower(kind)
+        adapter = adapter_for(tower)
+        assert isinstance(adapter, QwenVisionAdapter) and isinstance(adapter, GraphableEncoder)
+        assert adapter.kind == kind
+        assert isinstance(adapter_for(tower, "packed"), QwenVisionAdapter)
+    config = adapter_for(tiny_tower("qwen2_vl")).graph_config()
+    assert config.paths["local"].per_item_metadata
+    assert config.padding_rules["cu_seqlens"] == "repeat_last"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cu_seqlens": torch.tensor([0, 16])}, "cu_seqlens is computed from grid_thw"),
+        ({"output_hidden_states": [0, 1]}, "output_hidden_states=.* is not a plain value"),
+    ],
+)
+def test_options_the_graphs_cannot_take_name_themselves(options, message):
+    adapter = QwenVisionAdapter(tiny_tower("qwen2_vl"))
+    hidden_states, grid_thw = random_batch(7, count=1)
+    with pytest.raises(ValueError, match=message):
+        adapter.inputs_from_call((hidden_states, grid_thw), options)
+
+
+def test_bad_patches_name_the_argument():
+    adapter = QwenVisionAdapter(tiny_tower("qwen2_vl"))
+    grid_thw = torch.tensor([[1, 2, 2]])
+    with pytest.raises(ValueError, match=rf"hidden_states must have shape \[4, {PATCH_DIM}\]"):
+        adapter.inputs_from_call((torch.zeros(4, PATCH_DIM + 1), grid_thw), {})
+    with pytest.raises(ValueError, match="QwenVisionAdapter serves the transformers towers"):
+        QwenVisionAdapter(torch.nn.Linear(2, 2))
+
+
+IMAGE_TOKEN, VISION_START = 150, 152
+
+
+def tiny_qwen2_vl_model():
+    """A Qwen2-VL model (vision tower and a 2-layer language model), random weights."""
+    torch.manual_seed(0)
+    text = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=200,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
+    )
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=PATCH)
+    config = transformers.Qwen2VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN + 1,
+        vision_start_token_id=VISION_START,
+    )
+    return transformers.Qwen2VLForConditionalGeneration(config).eval()
+
+
+def prompt(grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A prompt with each item's image tokens, as the Qwen2-VL processor lays them out."""
+    ids = []
+    for tokens in (grid_thw.prod(-1) // MERGE**2).tolist():
+        ids += [VISION_START] + [IMAGE_TOKEN] * tokens + [5, 6]
+    input_ids = torch.tensor([ids])
+    return {"input_ids": input_ids, "mm_token_type_ids": (input_ids == IMAGE_TOKEN).long()}
+
+
+class ChatModel(LightningModule):
+    """Holds a Qwen2-VL model, which calls its tower itself."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(**batch).logits
+
+
+def test_predict_through_the_callback_as_the_qwen2_vl_model_calls_its_tower():
+    model = tiny_qwen2_vl_model()
+    batches = []
+    for seed in range(3):
+        hidden_states, grid_thw = random_batch(seed, count=4)
+        grid_thw[:, 0] = 1  # images: the prompt holds image tokens only
+        hidden_states = hidden_states[: int(grid_thw.prod(-1).sum())]
+        batches.append(
+            {"pixel_values": hidden_states, "image_grid_thw": grid_thw, **prompt(grid_thw)}
+        )
+    callback = CUDAGraphCallback(
+        module="model.model.visual",
+        budgets={"min_budget": 4, "max_budget": 16},
+        max_items_per_batch=2,
+        capture="first_use",
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    outputs = trainer.predict(ChatModel(model), DataLoader(batches, batch_size=None))
+    assert callback.last_stats["hits"] > 0 and callback.last_stats["sub_batches"] > 3
+    assert "forward" not in model.model.visual.__dict__
+    for logits, batch in zip(outputs, batches, strict=True):
+        with torch.no_grad():
+            expected = model(**batch).logits
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_graphs_match_the_towers_sdpa_forward(kind):
+    """Mixed-size images and a video, replayed from CUDA graphs, against transformers'
+    own eager forward with its sdpa attention."""
+    tower = tiny_tower(kind, device="cuda", dtype=torch.bfloat16)
+    assert tower.config._attn_implementation == "sdpa"
+    manager = manager_for(tower, max_frames_per_batch=8)
+    for seed in (8, 9, 10):
+        hidden_states, grid_thw = random_batch(seed, count=6, device="cuda")
+        hidden_states = hidden_states.bfloat16()
+        expected = eager(tower, hidden_states, grid_thw)
+        actual = graphed(manager, hidden_states, grid_thw)
+        assert type(actual) is type(expected)
+        for key in expected.keys():
+            values = expected[key] if isinstance(expected[key], list) else [expected[key]]
+            actual_values = actual[key] if isinstance(actual[key], list) else [actual[key]]
+            for value, actual_value in zip(values, actual_values, strict=True):
+                assert actual_value.dtype == value.dtype and actual_value.shape == value.shape
+                assert relative_error(actual_value, value) < 2e-2, key
+    assert manager.stats.graphs > 0 and manager.stats.hits > 0
