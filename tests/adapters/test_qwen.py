@@ -80,7 +80,7 @@ def manager_for(tower, **kwargs) -> EncoderGraphManager:
     options = dict(
         mode="full", budgets=BUDGETS, max_items_per_batch=4, capture="first_use", **kwargs
     )
-    return EncoderGraphManager(adapter, **options, capture="first_use")
+    return EncoderGraphManager(adapter, **options)
 
 
 def assert_outputs_equal(actual, expected, **tolerance) -> None:
