@@ -43,7 +43,10 @@ def tiny_tower(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float3
             fullatt_block_indexes=[1],
             **sizes,
         )
-        tower = transformers.Qwen2_5_VisionTransformerPretrainedModel(config)
+        # Not exported at the top level by every transformers 5.x (5.17 lacks it).
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
+        tower = modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel(config)
     else:
         config = transformers.Qwen3VLVisionConfig(
             hidden_size=32,
