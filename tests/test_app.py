@@ -160,7 +160,12 @@ def test_predict_app_on_the_qwen2_vl_tower_with_images_and_videos():
     pytest.importorskip("transformers")
     videos = ["data.video_fraction=0.5", "data.max_frames=3"]
     cfg = compose_config(
-        "predict", TINY_QWEN + SMALL_DATA + videos + ["compare_eager=true", "trainer=cpu"]
+        "predict",
+        TINY_QWEN
+        + SMALL_DATA
+        + videos
+        + ["compare_eager=true", "trainer=cpu"]
+        + ["cudagraph.capture=first_use"],
     )
     assert cfg.data.temporal_patch_size == 2 and cfg.data.patch_size == 4
     report = run(cfg, "predict")

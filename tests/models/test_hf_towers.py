@@ -46,6 +46,7 @@ def test_predict_app_runs_clip_through_the_callback():
             "data.batch_size=3",
             "trainer=cpu",
             "compare_eager=true",
+            "cudagraph.capture=first_use",
         ],
     )
     report = run(cfg, "predict")

@@ -87,7 +87,9 @@ def test_callback_outputs_equal_eager_outputs_on_mixed_sizes():
     tower = make_tower(workload, TINY_SIZES, seed=0)
     batches = SyntheticBatches(workload, tower, 3, TINY_SIZES, seed=0, device=torch.device("cpu"))
     eager = predict_runs(tower, batches, "eager", CPU)
-    graphed = predict_runs(tower, batches, "callback", CPU)
+    # first_use: the graph path from the first batch, whatever the run's length.
+    first_use = TrainerSettings("cpu", "32-true", callback_kwargs={"capture": "first_use"})
+    graphed = predict_runs(tower, batches, "callback", first_use)
     for run in ("first", "second"):
         # The callback served every image, padded into budgets, yet gave eager's outputs.
         assert graphed[run].record.stats["items"] == batches.images()
