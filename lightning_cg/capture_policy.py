@@ -121,8 +121,10 @@ class CapturePolicy:
         self._keys[key].graph_seconds.append(seconds)
 
     def record_capture(self, key: Hashable, seconds: float) -> None:
-        """Capturing ``key`` took ``seconds``."""
-        self._keys[key].capture_seconds = seconds
+        """Capturing ``key`` took ``seconds`` (ignored for a key never sighted)."""
+        record = self._keys.get(key)
+        if record is not None:
+            record.capture_seconds = seconds
 
     def forget_graphs(self) -> None:
         """The graphs are gone (recaptured later): keep sightings and eager times only."""

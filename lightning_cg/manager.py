@@ -406,8 +406,11 @@ class EncoderGraphManager:
         if decision != CAPTURE:
             return None, "policy" if decision == NO_GAIN else "no_graph_yet"
         self._capture_key(key)
-        # A fault may have changed the plan (a dropped budget, an eager path): look again.
+        # A fault may have changed the plan (a dropped budget, an eager path, a
+        # mode without PIECEWISE keys): look again, and capture the key it gives.
         rekey = self._key(call.graph_set, path, specs, [s.path_tokens.get(path, 0) for s in specs])
+        if rekey is not None and rekey != key and rekey not in self.cache:
+            self._capture_key(rekey)
         graph = self.cache.get(rekey) if rekey is not None else None
         return graph, "" if graph is not None else "above_budget"
 

@@ -540,9 +540,14 @@ def test_progress_is_told_of_every_capture_largest_budget_first():
         progress=lambda done, total, spec: told.append((done, total, spec.path, spec.token_budget)),
     )
     with torch.no_grad():
-        run(manager, *make_batch(random.Random(14), [5]))
+        run(manager, *make_batch(random.Random(14), [5]))  # captures the key of budget 16
         run(manager, *make_batch(random.Random(15), [6]))  # captured already: not told again
-    assert told == [(1, 2, "local", 32), (2, 2, "local", 16)]
+    assert told == [(1, 1, "local", 16)]
+    told.clear()
+    capture_every_key(manager, *make_batch(random.Random(16), [5]))  # the whole ladder
+    # Largest budget first; local 16 was captured before.
+    assert [budget for *_, budget in told] == sorted((budget for *_, budget in told), reverse=True)
+    assert [(path, budget) for *_, path, budget in told if path == "local"] == [("local", 32)]
 
 
 @pytest.mark.parametrize(("budgets", "padded"), [([64], 64 - 12), ([12, 64], 0)])
