@@ -76,7 +76,7 @@ class CUDAGraphCallback(Callback):
         capture_during_sanity_check: also use graphs for the sanity-check batches.
         keep_graphs: keep graphs between runs; False frees them after each run.
         verify: compare the first replay of every graph with eager; raise on a mismatch.
-        adapter: ``packed`` or ``batched``; None picks one by the tower's type.
+        adapter: ``packed``, ``batched`` or ``hf``; None picks one by the tower's type.
         packing: ``next_fit`` (greedy) or ``min_padding``.
         splitting_ops: ops the PIECEWISE modes split the tower at, as
             ``namespace::name``; None splits at attention (``scaled_dot_product_attention``
