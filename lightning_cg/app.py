@@ -19,7 +19,6 @@ from rich.table import Table
 from torch import nn
 
 from lightning_cg.callback import CUDAGraphCallback, resolve_module
-from lightning_cg.last_stats import RUN_CAPTURE_KEYS, run_capture
 
 STAGES = ("predict", "validate", "fit")
 #: Passes over the data on a GPU when ``passes`` is null: enough for the steady state.
@@ -313,16 +312,10 @@ def _mean_tower_seconds(passes: list[PassReport]) -> float:
 
 
 def _capture_line(passes: list[PassReport]) -> str:
-    captures = [run_capture(report.stats) for report in passes]
-    graphs, seconds, keys = captures[-1]
-    if keys == "/".join(RUN_CAPTURE_KEYS):
-        per_pass = ", ".join(str(graphs) for graphs, _, _ in captures)
-        graphs, seconds = sum(c[0] for c in captures), sum(c[1] for c in captures)
-        return (
-            f"capture: {graphs} graphs in {seconds:.2f} s (graphs per pass: {per_pass}); "
-            "the tower seconds above include it"
-        )
+    graphs = [int(report.stats["graphs_captured"]) for report in passes]
+    seconds = sum(report.stats["capture_seconds_run"] for report in passes)
+    per_pass = ", ".join(str(count) for count in graphs)
     return (
-        f"capture: {graphs} graphs held, {seconds:.2f} s of capture in all; "
+        f"capture: {sum(graphs)} graphs in {seconds:.2f} s (graphs per pass: {per_pass}); "
         "the tower seconds above include it"
     )

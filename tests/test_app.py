@@ -149,12 +149,6 @@ def test_the_gpu_report_shows_passes_against_eager_and_capture_per_run():
     ]
 
 
-def test_the_gpu_report_falls_back_to_the_graphs_held():
-    stats = {**cpu_pass(0).stats, "graphs": 7}
-    report = RunReport("predict", 1.0, stats, device="cuda:0", passes=[PassReport(0.5, 1.0, stats)])
-    assert "capture: 7 graphs held, 0.30 s of capture in all" in printed(report)
-
-
 def test_predict_app_on_the_qwen2_vl_tower_with_images_and_videos():
     """The data follows the tower's patch, merge and temporal patch sizes."""
     pytest.importorskip("transformers")

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_cg.last_stats import run_capture
 from lightning_cg.models.lit import embed_dim_of, pool_items
 from lightning_cg.models.packed_vit import tokens_per_item
 
@@ -86,8 +85,6 @@ class RunRecord:
         calls: tower calls.
         graphs_captured: graphs the callback captured (None without a callback).
         capture_s: seconds of capture (None without a callback).
-        stats_keys: the ``last_stats`` keys the two came from (see
-            :func:`lightning_cg.last_stats.run_capture`).
         stats: the callback's ``last_stats`` after the run.
     """
 
@@ -96,7 +93,6 @@ class RunRecord:
     calls: int
     graphs_captured: float | None = None
     capture_s: float | None = None
-    stats_keys: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -139,7 +135,8 @@ class RunClock(pl.Callback):
         )
         if self.graph_callback is not None:
             stats: Mapping[str, float] = self.graph_callback.last_stats
-            record.graphs_captured, record.capture_s, record.stats_keys = run_capture(stats)
+            record.graphs_captured = int(stats["graphs_captured"])
+            record.capture_s = stats["capture_seconds_run"]
             record.stats = dict(stats)
         self.records.append(record)
 

@@ -40,7 +40,6 @@ EXTRA_KEYS = (
     "compile_wall_s",
     "callback_max_abs_diff",  # largest |output - eager output| of the run
     "compile_max_abs_diff",
-    "capture_keys",  # the callback.last_stats keys graphs_captured and capture_s come from
     "images",
     "callback_stats",  # callback.last_stats after the run (fit: after the last epoch)
 )
@@ -125,10 +124,9 @@ def fit_row(
     if CALLBACK in results:
         records = results[CALLBACK][0]
         row["callback_epoch_graphs_captured"] = [record.graphs_captured for record in records]
-        _add_capture(row, records[-1])
-        if records[-1].stats_keys == "graphs_captured/capture_seconds_run":
-            row["graphs_captured"] = sum(record.graphs_captured for record in records)
-            row["capture_s"] = sum(record.capture_s for record in records)
+        row["callback_stats"] = records[-1].stats
+        row["graphs_captured"] = sum(record.graphs_captured for record in records)
+        row["capture_s"] = sum(record.capture_s for record in records)
     return with_ratios(row)
 
 
@@ -140,7 +138,7 @@ def _empty_row(workload: str, batches: int, run: str) -> dict[str, Any]:
 
 def _add_capture(row: dict[str, Any], record: RunRecord) -> None:
     row["graphs_captured"], row["capture_s"] = record.graphs_captured, record.capture_s
-    row["capture_keys"], row["callback_stats"] = record.stats_keys, record.stats
+    row["callback_stats"] = record.stats
 
 
 def with_ratios(row: dict[str, Any]) -> dict[str, Any]:
@@ -221,8 +219,5 @@ def describe(row: Mapping[str, Any]) -> str:
         if row.get(key) is not None:
             parts.append(f"{key} {row[key]:.2f}x")
     if row.get("graphs_captured") is not None:
-        parts.append(
-            f"{row['graphs_captured']:.0f} graphs, {row['capture_s']:.2f} s capture "
-            f"[{row['capture_keys']}]"
-        )
+        parts.append(f"{row['graphs_captured']:.0f} graphs, {row['capture_s']:.2f} s capture")
     return "; ".join(parts)

@@ -16,7 +16,6 @@ from bench.trainer.rows import ROW_KEYS, merge_rows  # noqa: E402
 from bench.trainer.runs import TrainerSettings, predict_runs  # noqa: E402
 from bench.trainer.workloads import TINY_SIZES, SyntheticBatches, Workload, make_tower  # noqa: E402
 
-CAPTURE_KEYS = ("graphs_captured/capture_seconds_run", "graphs/capture_seconds")
 CPU = TrainerSettings("cpu", "32-true")
 
 
@@ -60,7 +59,6 @@ def test_smoke_run_writes_one_row_per_workload_length_and_run(tmp_path):
         assert row["eager_tower_s"] > 0 and row["callback_tower_s"] > 0
         assert row["vs_eager"] == pytest.approx(row["eager_tower_s"] / row["callback_tower_s"])
         assert isinstance(row["graphs_captured"], int) and row["capture_s"] >= 0
-        assert row["capture_keys"] in CAPTURE_KEYS
         # No compile on the CPU: the fields are there, empty.
         assert row["compile_tower_s"] is None and row["vs_compile"] is None
     for row in rows[:-1]:
