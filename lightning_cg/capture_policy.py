@@ -10,9 +10,16 @@ once it has been seen ``min_sightings`` times and
 where the expected sightings are the key's share of its path's sub-batches so
 far times the sub-batches still expected in the run (when the caller knows how
 many calls the run has; otherwise as many again as so far), the gain is the
-key's measured eager time times one minus the graph/eager ratio measured on the
-nearest-sized captured key of its path, and the capture cost is its eager time
-times the capture/eager ratio measured so far. Before anything is measured,
+key's eager time minus its estimated graph time, and the capture cost is its
+eager time times the capture/eager ratio measured so far. A graph computes its
+whole budget, eager only the real tokens, and a key's sub-batches differ in
+real tokens: its eager time is the measured eager time per real token times
+the mean real tokens of its sightings, and its graph time, until measured, is
+the eager time of its whole budget times the graph's cost per padded token
+relative to eager's per real token, measured on the nearest-sized captured key
+of its path (:data:`PRIOR_GRAPH_RATIO` before any): a key whose sub-batches
+are half padding is expected to gain nothing unless graphs of its path run at
+less than half eager's cost per token. Before anything is measured,
 :data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
 
 After capture a key's replays are timed too; a graph measured slower than the
@@ -26,7 +33,8 @@ import statistics
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-#: Graph time / eager time assumed for a path none of whose keys is measured.
+#: Graph time / eager time of a full budget, assumed for a path none of whose
+#: keys is measured.
 PRIOR_GRAPH_RATIO = 0.5
 #: Capture time / eager time assumed before a capture of the path is measured:
 #: two warm-up forwards, the recorded one, graph instantiation and a sync.
@@ -43,17 +51,27 @@ class _KeyRecord:
     path: str
     size: int
     sightings: int = 0
-    eager_seconds: list[float] = field(default_factory=list)
+    real_tokens: int = 0
+    eager_seconds_per_token: list[float] = field(default_factory=list)
     graph_seconds: list[float] = field(default_factory=list)
     capture_seconds: float | None = None
 
     @property
     def eager(self) -> float | None:
-        return statistics.median(self.eager_seconds) if self.eager_seconds else None
+        """Eager seconds of a sub-batch of the key's mean real tokens."""
+        if not self.eager_seconds_per_token or not self.sightings:
+            return None
+        mean_tokens = self.real_tokens / self.sightings
+        return statistics.median(self.eager_seconds_per_token) * mean_tokens
 
     @property
     def graph(self) -> float | None:
         return statistics.median(self.graph_seconds) if self.graph_seconds else None
+
+    @property
+    def padding_factor(self) -> float:
+        """Budget / mean real tokens: how much more a graph computes than eager."""
+        return self.size * self.sightings / max(self.real_tokens, 1)
 
 
 class CapturePolicy:
@@ -67,7 +85,7 @@ class CapturePolicy:
     Example:
         >>> policy = CapturePolicy(min_sightings=2)
         >>> policy.begin_run(expected_calls=100)
-        >>> policy.sighted("k", path="local", size=256)
+        >>> policy.sighted("k", path="local", size=256, tokens=200)
         >>> policy.decide("k")
         'wait'
     """
@@ -96,25 +114,27 @@ class CapturePolicy:
         self._calls += 1
         self._run_calls += 1
 
-    def sighted(self, key: Hashable, path: str, size: int) -> None:
-        """A sub-batch of ``path`` needs ``key`` (a graph of ``size`` tokens)."""
+    def sighted(self, key: Hashable, path: str, size: int, tokens: int) -> None:
+        """A sub-batch of ``path`` with ``tokens`` real tokens needs ``key`` (a graph
+        of ``size`` tokens), whether or not the key has a graph yet."""
         record = self._keys.setdefault(key, _KeyRecord(path, size))
         record.sightings += 1
+        record.real_tokens += tokens
         self._path_sub_batches[path] = self._path_sub_batches.get(path, 0) + 1
 
     def wants_eager_timing(self, key: Hashable) -> bool:
         """Whether an eager run of ``key`` should be timed."""
         record = self._keys.get(key)
-        return record is not None and len(record.eager_seconds) < SAMPLES
+        return record is not None and len(record.eager_seconds_per_token) < SAMPLES
 
     def wants_graph_timing(self, key: Hashable) -> bool:
         """Whether a replay of ``key`` should be timed."""
         record = self._keys.get(key)
         return record is not None and len(record.graph_seconds) < SAMPLES
 
-    def record_eager(self, key: Hashable, seconds: float) -> None:
-        """One eager run of ``key`` took ``seconds``."""
-        self._keys[key].eager_seconds.append(seconds)
+    def record_eager(self, key: Hashable, seconds: float, tokens: int) -> None:
+        """An eager run of a sub-batch of ``key`` with ``tokens`` real tokens took ``seconds``."""
+        self._keys[key].eager_seconds_per_token.append(seconds / max(tokens, 1))
 
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
@@ -177,15 +197,18 @@ class CapturePolicy:
         return share * sub_batches_per_call * remaining_calls
 
     def _graph_ratio(self, record: _KeyRecord) -> float:
-        """Graph / eager time of the measured key of the path nearest in size."""
+        """Graph / eager time of ``record``'s key at its mean real tokens: measured,
+        or estimated from the nearest-sized measured key of the path (or the prior)
+        as cost per padded token, scaled by this key's padding."""
+        if record.graph is not None and record.eager:
+            return record.graph / record.eager
         measured = [
-            (abs(other.size - record.size), other.graph / other.eager)
+            (abs(other.size - record.size), other.graph / other.eager / other.padding_factor)
             for other in self._keys.values()
             if other.path == record.path and other.graph is not None and other.eager
         ]
-        if record.graph is not None and record.eager:
-            return record.graph / record.eager
-        return min(measured)[1] if measured else PRIOR_GRAPH_RATIO
+        full_budget_ratio = min(measured)[1] if measured else PRIOR_GRAPH_RATIO
+        return full_budget_ratio * record.padding_factor
 
     def _capture_ratio(self, path: str) -> float:
         ratios = [

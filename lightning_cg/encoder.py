@@ -127,6 +127,11 @@ class GraphableEncoder(Protocol):
     arguments (see :meth:`inputs_from_call`); the manager passes it back
     untouched. Implement this for your own tower; ``adapters/batched.py`` and
     ``adapters/packed.py`` are worked examples.
+
+    Optionally, ``postprocess_joined(path_rows, inputs)`` builds the same output
+    as :meth:`postprocess` from ``{path: rows of every item, in item order}``;
+    the manager calls it instead when a call's rows come in one piece per path,
+    which saves splitting them per item and joining them again.
     """
 
     def graph_config(self) -> EncoderGraphConfig:

@@ -25,29 +25,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_cg.auto_ladder import AutoLadder
-from lightning_cg.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
+from lightning_cg.cache import CapturedGraph, GraphCache, GraphSet
 from lightning_cg.call_timer import CallTimer
 from lightning_cg.capture import GraphCapturer, ProgressFn, path_keys
-from lightning_cg.capture_policy import CAPTURE, NO_GAIN, CapturePolicy
+from lightning_cg.capture_policy import CapturePolicy
 from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.config import BudgetConfig, GraphConfig
-from lightning_cg.dispatcher import BatchDescriptor, GraphMode
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
+from lightning_cg.outputs import CallOutputs
 from lightning_cg.packing import pack_items
-from lightning_cg.plan import frames_fit_items, path_budget_choices, plan_paths
-from lightning_cg.replay import autocast_key, check_replay, graph_context, replay
+from lightning_cg.plan import path_budget_choices, plan_paths
+from lightning_cg.replay import autocast_key, check_replay, replay
+from lightning_cg.routing import Route, Router, SubBatch
 from lightning_cg.stats import GraphStats
 
 __all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
-
-Rows = list[torch.Tensor | None]
 
 
 class EncoderGraphManager:
@@ -84,12 +82,15 @@ class EncoderGraphManager:
         self.config = config if config is not None else GraphConfig.from_options(**options)
         self.mode = self.config.mode
         self.stats = GraphStats()
+        # Adapters that build their output from each path's rows in item order
+        # skip the per-item split and join (host time per item).
+        self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
         if self.config.compile:
             encoder = CompiledEncoder(encoder, on_compile=self._count_compile_seconds)
         self.encoder = encoder
         self.encoder_config = encoder.graph_config()
         choices = path_budget_choices(self.encoder_config, self.config)
-        self.paths, self.max_items = plan_paths(encoder, self.config, choices)
+        self.paths, max_items = plan_paths(encoder, self.config, choices)
         self.cache = GraphCache()
         self.capturer = GraphCapturer(
             encoder, self.config, self.paths, self.cache, self.stats, progress
@@ -102,7 +103,7 @@ class EncoderGraphManager:
         self.auto_ladder = AutoLadder(
             choices,
             self.paths,
-            self.max_items,
+            max_items,
             # The user's cap, frames or uniform counts fix the item cap.
             learn_max_items=all(
                 given is None
@@ -115,6 +116,17 @@ class EncoderGraphManager:
         )
         self.measured = MeasuredDispatch(encoder, self.cache, self._replay, self._eager_forward)
         self._timer = CallTimer()
+        self.router = Router(
+            self.config,
+            self.paths,
+            self.cache,
+            self.capturer,
+            self.policy,
+            self.measured,
+            self.stats,
+            self._timer,
+            max_items,
+        )
 
     # ------------------------------------------------------------- public API
 
@@ -122,6 +134,15 @@ class EncoderGraphManager:
     def capture_error(self) -> str | None:
         """The capture error that turned every path eager (``capture_errors="eager"``)."""
         return self.capturer.capture_error
+
+    @property
+    def max_items(self) -> int:
+        """The most items of one sub-batch."""
+        return self.router.max_items
+
+    @max_items.setter
+    def max_items(self, max_items: int) -> None:
+        self.router.max_items = max_items
 
     @property
     def learned_budgets(self) -> dict[str, dict[str, Any]]:
@@ -197,53 +218,57 @@ class EncoderGraphManager:
         Returns the tower's own output format with items in their original order;
         nothing returned aliases a graph buffer.
         """
-        return self.encoder.postprocess(self.execute_items(inputs), inputs)
+        outputs = self._run_call(inputs)
+        joined = outputs.joined() if self._postprocess_joined is not None else None
+        if joined is not None:
+            return self._postprocess_joined(joined, inputs)
+        return self.encoder.postprocess(outputs.per_item(), inputs)
 
     def execute_items(self, inputs: Any) -> list[dict[str, torch.Tensor]]:
         """Like :meth:`execute`, but per item: ``{path: output rows}`` in input order.
 
         Paths on which an item has no tokens are absent from its dict.
         """
+        return self._run_call(inputs).per_item()
+
+    def _run_call(self, inputs: Any) -> CallOutputs:
+        """Route each sub-batch of the call, replay its graphs, then run what is
+        eager as one eager call; the rows are kept per sub-batch."""
         specs = self.encoder.item_specs(inputs)
         self.stats.items += len(specs)
         self.stats.tokens += sum(spec.output_tokens for spec in specs)
-        outputs: list[dict[str, torch.Tensor]] = [{} for _ in specs]
-        everything = list(range(len(specs)))
+        call = _Call(None, torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
         # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
         if torch.is_grad_enabled() or self._sampling(specs):
-            call = _Call(None, torch.is_inference_mode_enabled())
-            self._run_sub_batch(call, inputs, everything, specs, outputs)
-            return outputs
+            self._run_eagerly(call, self._sub_batch(inputs, list(range(len(specs))), specs))
+            return call.outputs
         self.policy.called()
         self._timer.collect()
-        call = _Call(
-            GraphSet(self.encoder.graph_signature(inputs), autocast_key()),
-            torch.is_inference_mode_enabled(),
-        )
-        with graph_context():
-            eager_items: list[int] = []
-            eager_routes: list[_Route] = []
-            for indices in self._pack(specs):
-                # One sub-batch of every item in order needs no gather (a copy).
-                sub_inputs = (
-                    inputs if indices == everything else self.encoder.select_items(inputs, indices)
-                )
-                sub_specs = [specs[i] for i in indices]
-                self.stats.sub_batches += 1
-                routes = {
-                    path: self._route(call, path, sub_inputs, sub_specs) for path in self.paths
-                }
-                if all(route.eager for route in routes.values()):
-                    # Eager sub-batches run together below: one eager call, not one each.
-                    eager_items += indices
-                    eager_routes += routes.values()
-                    continue
-                for path, route in routes.items():
-                    rows = self._run_route(call, route, path, sub_inputs, sub_specs)
-                    _scatter(outputs, indices, path, rows)
+        call.graph_set = GraphSet(self.encoder.graph_signature(inputs), autocast_key())
+        eager_items: list[int] = []
+        eager_routes: list[Route] = []
+        for indices in self._pack(specs):
+            sub_batch = self._sub_batch(inputs, indices, specs)
+            self.stats.sub_batches += 1
+            routes = {
+                path: self.router.route(call.graph_set, path, sub_batch) for path in self.paths
+            }
+            if all(route.eager for route in routes.values()):
+                # Eager sub-batches run together below: one eager call, not one each.
+                eager_items += indices
+                eager_routes += routes.values()
+                continue
+            for path, route in routes.items():
+                self._run_route(call, route, path, sub_batch)
         if eager_items:
-            self._run_eager_items(call, inputs, sorted(eager_items), specs, eager_routes, outputs)
-        return outputs
+            eager_batch = self._sub_batch(inputs, sorted(eager_items), specs)
+            self._run_eager_items(call, eager_batch, eager_routes)
+        return call.outputs
+
+    def _sub_batch(self, inputs: Any, indices: list[int], specs: list[ItemSpec]) -> SubBatch:
+        return SubBatch(
+            self.encoder, inputs, len(specs), indices, indices, [specs[i] for i in indices]
+        )
 
     def _sampling(self, specs: list[ItemSpec]) -> bool:
         """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
@@ -264,181 +289,57 @@ class EncoderGraphManager:
             item_tokens, self.max_items, max_budgets, self.config.packing, budgets=ladders
         )
 
-    def _run_sub_batch(
-        self,
-        call: _Call,
-        sub_inputs: Any,
-        indices: list[int],
-        specs: list[ItemSpec],
-        outputs: list[dict[str, torch.Tensor]],
-    ) -> None:
-        """Run every path of one sub-batch eagerly."""
-        sub_specs = [specs[i] for i in indices]
+    def _run_eagerly(self, call: _Call, sub_batch: SubBatch) -> bool:
+        """Run every path of one sub-batch eagerly; whether any rows are on CUDA."""
+        on_cuda = False
         for path in self.paths:
-            if any(spec.path_tokens.get(path, 0) for spec in sub_specs):
-                rows = self._eager(call, path, sub_inputs, sub_specs)
-                _scatter(outputs, indices, path, self._split(rows, path, sub_specs))
+            tokens = sub_batch.tokens(path)
+            if any(tokens):
+                rows = self._eager(call, path, sub_batch)
+                call.outputs.add(path, sub_batch.indices, rows, tokens)
+                on_cuda = on_cuda or rows.is_cuda
+        return on_cuda
 
-    def _run_eager_items(
-        self,
-        call: _Call,
-        inputs: Any,
-        indices: list[int],
-        specs: list[ItemSpec],
-        routes: list[_Route],
-        outputs: list[dict[str, torch.Tensor]],
-    ) -> None:
+    def _run_eager_items(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> None:
         """Run the items of every all-eager sub-batch in one eager call.
 
         Keys the policy still needs eager times of share the call's time by tokens.
         """
-        everything = len(indices) == len(specs)
-        sub_inputs = inputs if everything else self.encoder.select_items(inputs, indices)
         timed = [route for route in routes if route.key is not None and route.tokens]
         timed = [route for route in timed if self.policy.wants_eager_timing(route.key)]
         if not timed:
-            self._run_sub_batch(call, sub_inputs, indices, specs, outputs)
+            self._run_eagerly(call, sub_batch)
             return
         total = sum(route.tokens for route in routes) or 1
 
         def record(seconds: float) -> None:
             for route in timed:
-                self.policy.record_eager(route.key, seconds * route.tokens / total)
+                self.policy.record_eager(route.key, seconds * route.tokens / total, route.tokens)
 
         with self._timer.timed(record) as timing:
-            self._run_sub_batch(call, sub_inputs, indices, specs, outputs)
-            timing.on_cuda = any(
-                rows.is_cuda for index in indices for rows in outputs[index].values()
-            )
+            timing.on_cuda = self._run_eagerly(call, sub_batch)
 
-    def _route(self, call: _Call, path: str, inputs: Any, specs: list[ItemSpec]) -> _Route:
-        """How ``path`` of a sub-batch runs: which graph, or eagerly and why (counted)."""
-        tokens = [spec.path_tokens.get(path, 0) for spec in specs]
-        total = sum(tokens)
-        if total == 0:
-            return _Route(tokens=0)
-        plan = self.paths[path]
-        if self.mode is GraphMode.NONE or plan.eager_reason is not None:
-            self.stats.misses += 1
-            return _Route(tokens=total)
-        key = self._key(call.graph_set, path, specs, tokens)
-        if key is None:
-            self.stats.count_eager("above_budget")
-            return _Route(tokens=total)
-        graph, reason = self._graph_for(key, call, path, inputs, specs)
-        if graph is None:
-            self.stats.count_eager(reason)
-            return _Route(key=key, tokens=total)
-        if self.config.dispatch == "measured":
-            if not self.measured.has_table(call.graph_set, path):
-                self.measured.measure(call.graph_set, path, inputs, specs)
-            decision = self.measured.decide(call.graph_set, path, tokens)
-            if decision is not None and decision.runner == "split":
-                self.stats.measured_splits += 1
-                return _Route(key=key, tokens=total, parts=decision.parts)
-            if decision is not None and decision.runner == "eager":
-                self.stats.measured_eager += 1
-                self.stats.misses += 1
-                return _Route(tokens=total)
-        return _Route(key=key, graph=graph, tokens=total)
-
-    def _run_route(
-        self, call: _Call, route: _Route, path: str, inputs: Any, specs: list[ItemSpec]
-    ) -> Rows:
+    def _run_route(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
         if route.parts:
-            return self._run_parts(call, path, inputs, specs, route.parts)
-        if route.graph is not None:
-            return self._run_graph(call, route.key, route.graph, path, inputs, specs, route.tokens)
-        if route.tokens == 0:
-            return [None] * len(specs)
-        return self._split(self._eager(call, path, inputs, specs), path, specs)
+            # Measured dispatch split the sub-batch: each part is routed on its own.
+            for positions in route.parts:
+                part = sub_batch.part(positions)
+                self._run_route(call, self.router.route(call.graph_set, path, part), path, part)
+        elif route.graph is not None:
+            self._run_graph(call, route, path, sub_batch)
+        elif route.tokens:
+            rows = self._eager(call, path, sub_batch)
+            call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
 
-    def _key(
-        self, graph_set: GraphSet, path: str, specs: list[ItemSpec], tokens: list[int]
-    ) -> GraphKey | None:
-        """The key of the graph that holds the sub-batch (its tokens and frames), or None."""
-        plan = self.paths[path]
-        desc = BatchDescriptor(sum(tokens), len(tokens), uniform=len(set(tokens)) == 1)
-        frames = sum(spec.num_frames for spec in specs)
-        runtime_mode, found = plan.dispatcher.dispatch(desc)
-        if not self._holds_frames(path, runtime_mode, found, frames):
-            # More attention sequences than the key's graph holds (items of
-            # several frames): a mixed key with as many slots, else no FULL key.
-            slots = frames_fit_items(frames, plan, self.max_items)
-            runtime_mode, found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
-            if not self._holds_frames(path, runtime_mode, found, frames):
-                runtime_mode, found = plan.dispatcher.dispatch(desc, disable_full=True)
-        if runtime_mode is GraphMode.NONE:
-            return None
-        key = GraphKey(graph_set, path, runtime_mode, found)
-        if frames > self._spec_frames(key):
-            return None  # only items with more frames than max_frames_per_item
-        return key
-
-    def _holds_frames(
-        self, path: str, runtime_mode: GraphMode, desc: BatchDescriptor | None, frames: int
-    ) -> bool:
-        """False only for a FULL key whose graph has fewer sequence slots than ``frames``."""
-        if runtime_mode is not GraphMode.FULL:
-            return True
-        return frames <= self._spec_frames(GraphKey(GraphSet(None), path, runtime_mode, desc))
-
-    def _spec_frames(self, key: GraphKey) -> int:
-        plan = self.paths[key.path]
-        return plan.capture_spec(
-            key.path, key.mode, key.descriptor, None, self.max_items
-        ).max_frames
-
-    def _graph_for(
-        self, key: GraphKey, call: _Call, path: str, inputs: Any, specs: list[ItemSpec]
-    ) -> tuple[CapturedGraph | None, str]:
-        """The graph of ``key``, captured now if the policy says it pays; else why not."""
-        graph = self.cache.get(key)
-        if graph is not None:
-            if self.policy.slower_than_eager(key):
-                return None, "measured_slower"
-            return graph, ""
-        self.policy.sighted(key, path, key.descriptor.num_tokens)
-        # Timings of earlier runs that have finished; waiting for the rest would
-        # stall the host behind the GPU: a key whose timing is pending waits a call.
-        self._timer.collect()
-        decision = self.policy.decide(key)
-        if decision != CAPTURE:
-            return None, "policy" if decision == NO_GAIN else "no_graph_yet"
-        self._capture_key(key)
-        # A fault may have changed the plan (a dropped budget, an eager path, a
-        # mode without PIECEWISE keys): look again, and capture the key it gives.
-        rekey = self._key(call.graph_set, path, specs, [s.path_tokens.get(path, 0) for s in specs])
-        if rekey is not None and rekey != key and rekey not in self.cache:
-            self._capture_key(rekey)
-        graph = self.cache.get(rekey) if rekey is not None else None
-        return graph, "" if graph is not None else "above_budget"
-
-    def _capture_key(self, key: GraphKey) -> None:
-        plan = self.paths[key.path]
-        # Measured dispatch times a path's whole ladder, so it captures it at once.
-        whole_ladder = self.config.dispatch == "measured"
-        keys = path_keys(key.graph_set, key.path, plan) if whole_ladder else [key]
-        seconds = self.capturer.capture(keys, self.max_items)
-        self.policy.record_capture(key, seconds / max(len(keys), 1))
-
-    def _run_graph(
-        self,
-        call: _Call,
-        key: GraphKey,
-        graph: CapturedGraph,
-        path: str,
-        inputs: Any,
-        specs: list[ItemSpec],
-        total: int,
-    ) -> Rows:
+    def _run_graph(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
+        key, graph, total = route.key, route.graph, route.tokens
         started = time.perf_counter()
         if self.policy.wants_graph_timing(key):
             with self._timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
-                rows = self._replay(graph, path, inputs, total)
+                rows = self._replay(graph, path, sub_batch.inputs, total)
                 t.on_cuda = rows.is_cuda
         else:
-            rows = self._replay(graph, path, inputs, total)
+            rows = self._replay(graph, path, sub_batch.inputs, total)
         self.stats.host_seconds += time.perf_counter() - started
         # Counted once served: a replay that raised (a bad input) is no hit.
         self.stats.hits += 1
@@ -446,34 +347,15 @@ class EncoderGraphManager:
         self.stats.real_tokens += total
         self.stats.padded_tokens += key.descriptor.num_tokens - total
         if self.config.verify and not graph.verified:
-            check_replay(graph, path, rows, self._eager(call, path, inputs, specs))
-        return self._split(rows, path, specs)
-
-    def _run_parts(
-        self,
-        call: _Call,
-        path: str,
-        inputs: Any,
-        specs: list[ItemSpec],
-        parts: Sequence[Sequence[int]],
-    ) -> Rows:
-        """Run ``path`` on groups of the sub-batch's items, each as a sub-batch of its own."""
-        rows: Rows = [None] * len(specs)
-        for part in parts:
-            part_inputs = self.encoder.select_items(inputs, part)
-            part_specs = [specs[i] for i in part]
-            route = self._route(call, path, part_inputs, part_specs)
-            part_rows = self._run_route(call, route, path, part_inputs, part_specs)
-            for index, item_rows in zip(part, part_rows, strict=True):
-                rows[index] = item_rows
-        return rows
+            check_replay(graph, path, rows, self._eager(call, path, sub_batch))
+        call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
 
     def _replay(self, graph: CapturedGraph, path: str, inputs: Any, total: int) -> torch.Tensor:
         return replay(graph, self.encoder, self.encoder_config.padding_rules, path, inputs, total)
 
-    def _eager(self, call: _Call, path: str, inputs: Any, specs: list[ItemSpec]) -> torch.Tensor:
-        rows = self._eager_forward(path, inputs, call.inference_mode)
-        expected = sum(spec.path_tokens.get(path, 0) for spec in specs)
+    def _eager(self, call: _Call, path: str, sub_batch: SubBatch) -> torch.Tensor:
+        rows = self._eager_forward(path, sub_batch.inputs, call.inference_mode)
+        expected = sum(sub_batch.tokens(path))
         if rows.shape[0] != expected:
             raise RuntimeError(
                 f"eager_forward on path {path!r} returned {rows.shape[0]} rows; "
@@ -483,51 +365,23 @@ class EncoderGraphManager:
 
     def _eager_forward(self, path: str, inputs: Any, inference_mode: bool = True) -> torch.Tensor:
         """The path eagerly, in the caller's inference mode (it launches faster than
-        plain no_grad; graph runs leave it)."""
+        plain no_grad)."""
         with torch.inference_mode(inference_mode and not torch.is_grad_enabled()):
             return self.encoder.eager_forward(path, inputs)
-
-    def _split(self, rows: torch.Tensor, path: str, specs: list[ItemSpec]) -> Rows:
-        tokens = [spec.path_tokens.get(path, 0) for spec in specs]
-        if sum(tokens) == 0:
-            return [None] * len(specs)
-        return [
-            part if count else None for part, count in zip(rows.split(tokens), tokens, strict=True)
-        ]
 
     def _count_compile_seconds(self, seconds: float) -> None:
         self.stats.compile_seconds += seconds
 
 
-@dataclass(frozen=True)
-class _Route:
-    """How one path of one sub-batch runs: a graph, parts of its own, or eagerly."""
-
-    tokens: int
-    key: GraphKey | None = None
-    graph: CapturedGraph | None = None
-    parts: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def eager(self) -> bool:
-        return self.graph is None and not self.parts
-
-
 class _Call:
     """What one call carries through its sub-batches: its graph set (None runs
-    everything eagerly) and whether the caller was in inference mode."""
+    everything eagerly), whether the caller was in inference mode, and the rows."""
 
-    __slots__ = ("graph_set", "inference_mode")
+    __slots__ = ("graph_set", "inference_mode", "outputs")
 
-    def __init__(self, graph_set: GraphSet | None, inference_mode: bool) -> None:
+    def __init__(
+        self, graph_set: GraphSet | None, inference_mode: bool, outputs: CallOutputs
+    ) -> None:
         self.graph_set = graph_set
         self.inference_mode = inference_mode
-
-
-def _scatter(
-    outputs: list[dict[str, torch.Tensor]], indices: list[int], path: str, rows: Rows
-) -> None:
-    """Put a sub-batch's rows of ``path`` into the per-item outputs."""
-    for index, item_rows in zip(indices, rows, strict=True):
-        if item_rows is not None:
-            outputs[index][path] = item_rows
+        self.outputs = outputs

@@ -12,7 +12,7 @@ lowered (:func:`cap_items`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_cg.budgets import AUTO_LADDER, resolve_budgets
 from lightning_cg.config import BudgetConfig, GraphConfig
@@ -40,6 +40,7 @@ class PathPlan:
     item_frames: int
     max_frames: int
     eager_reason: str | None = None
+    _graph_frames: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ladder(self) -> list[int]:
@@ -69,19 +70,33 @@ class PathPlan:
     ) -> CaptureSpec:
         """The static shape of the graph of one key."""
         items = desc.num_items or max_items
+        frames = self.graph_frames(runtime_mode, desc, max_items)
+        return CaptureSpec(path, desc.num_tokens, items, frames, signature)
+
+    def graph_frames(self, runtime_mode: GraphMode, desc: BatchDescriptor, max_items: int) -> int:
+        """Attention sequences (frames) the graph of a key holds.
+
+        Looked up on every call, so remembered per key and frame limit.
+        """
+        remembered = (runtime_mode, desc, max_items, self.max_frames)
+        frames = self._graph_frames.get(remembered)
+        if frames is None:
+            frames = self._graph_frames[remembered] = self._frames_of(runtime_mode, desc, max_items)
+        return frames
+
+    def _frames_of(self, runtime_mode: GraphMode, desc: BatchDescriptor, max_items: int) -> int:
+        items = desc.num_items or max_items
         if runtime_mode is GraphMode.PIECEWISE:
             # Attention runs eagerly, so the metadata may hold every frame a
             # sub-batch can have, whatever limit FULL graphs keep to.
-            frames = max(self.max_frames, items * self.item_frames)
-        elif desc.uniform:
-            frames = items * self.item_frames
-        elif desc.num_items is None or items >= min(desc.num_tokens, max_items):
+            return max(self.max_frames, items * self.item_frames)
+        if desc.uniform:
+            return items * self.item_frames
+        if desc.num_items is None or items >= min(desc.num_tokens, max_items):
             # One graph for any item count, or a budget's most items.
-            frames = self.max_frames
-        else:
-            # A mixed key of fewer items: as many sequence slots as they need.
-            frames = min(items * self.item_frames, self.max_frames)
-        return CaptureSpec(path, desc.num_tokens, items, frames, signature)
+            return self.max_frames
+        # A mixed key of fewer items: as many sequence slots as they need.
+        return min(items * self.item_frames, self.max_frames)
 
 
 def path_budget_choices(

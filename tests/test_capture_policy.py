@@ -18,12 +18,20 @@ from lightning_cg.capture_policy import (
 from lightning_cg.manager import EncoderGraphManager
 
 
-def see(policy: CapturePolicy, key: str, eager_s: float | None = None, size: int = 64) -> str:
-    """One call whose only sub-batch needs ``key``; returns the policy's decision."""
+def see(
+    policy: CapturePolicy,
+    key: str,
+    eager_s: float | None = None,
+    size: int = 64,
+    tokens: int | None = None,
+) -> str:
+    """One call whose only sub-batch needs ``key`` (``tokens`` real tokens, by
+    default all ``size``); returns the policy's decision."""
+    tokens = size if tokens is None else tokens
     policy.called()
-    policy.sighted(key, path="local", size=size)
+    policy.sighted(key, path="local", size=size, tokens=tokens)
     if eager_s is not None and policy.wants_eager_timing(key):
-        policy.record_eager(key, eager_s)
+        policy.record_eager(key, eager_s, tokens)
     return policy.decide(key)
 
 
@@ -71,12 +79,12 @@ def test_a_rare_key_among_frequent_ones_waits():
     policy.begin_run(expected_calls=40)
     for call in range(20):
         policy.called()
-        policy.sighted("common", "local", 64)
+        policy.sighted("common", "local", 64, 64)
         if call % 10 == 0:
-            policy.sighted("rare", "local", 64)
+            policy.sighted("rare", "local", 64, 64)
         for key in ("common", "rare"):
             if policy.wants_eager_timing(key):
-                policy.record_eager(key, 0.01)
+                policy.record_eager(key, 0.01, 64)
     # common: 20 calls left x 1 per call x 0.005 s = 0.1 s >= 0.05 s
     assert policy.decide("common") == CAPTURE
     # rare: 2 of 22 sub-batches: about 2 further sightings x 0.005 s < 0.05 s
@@ -116,6 +124,41 @@ def test_slower_than_eager_needs_enough_replays_and_can_be_turned_off():
         assert policy.slower_than_eager("a") is expected
 
 
+def test_eager_time_follows_the_real_tokens_a_key_serves():
+    # A graph computes its whole budget; eager only the real tokens. Timed on a
+    # full sub-batch, eager looks slow; the key mostly serves quarter-full ones.
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=100)
+    see(policy, "a", eager_s=0.010, size=64, tokens=64)
+    for _ in range(SAMPLES):
+        policy.record_replay("a", 0.008)
+    assert not policy.slower_than_eager("a")
+    for _ in range(7):
+        see(policy, "a", size=64, tokens=16)
+    # Mean real tokens (64 + 7 x 16) / 8 = 22: eager about 0.0034 s < 0.008 s.
+    assert policy.estimates("a")["eager_s"] == pytest.approx(0.010 / 64 * 22)
+    assert policy.slower_than_eager("a")
+
+
+def test_a_key_mostly_padding_is_not_expected_to_gain():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=1000)
+    # Half of the budget is padding: at the prior cost per padded token (half
+    # of eager's per real token) the graph costs what eager does.
+    assert see(policy, "half_padding", eager_s=0.010, size=64, tokens=32) == NO_GAIN
+    assert see(policy, "full", eager_s=0.010, size=64, tokens=64) == CAPTURE
+
+
+def test_a_measured_key_informs_others_by_cost_per_padded_token():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=100)
+    see(policy, "measured", eager_s=0.010, size=60, tokens=50)  # padding factor 1.2
+    for _ in range(SAMPLES):
+        policy.record_replay("measured", 0.006)  # 0.6 of eager: 0.5 per padded token
+    see(policy, "other", eager_s=0.010, size=60, tokens=40)  # padding factor 1.5
+    assert policy.estimates("other")["graph_ratio"] == pytest.approx(0.75)
+
+
 def test_forget_graphs_keeps_sightings_and_eager_times():
     policy = CapturePolicy(min_sightings=1)
     policy.begin_run(expected_calls=100)
@@ -124,7 +167,7 @@ def test_forget_graphs_keeps_sightings_and_eager_times():
         policy.record_replay("a", 0.02)
     policy.forget_graphs()
     estimates = policy.estimates("a")
-    assert estimates["graph_s"] is None and estimates["eager_s"] == 0.010
+    assert estimates["graph_s"] is None and estimates["eager_s"] == pytest.approx(0.010)
     assert estimates["sightings"] == 1 and not policy.slower_than_eager("a")
 
 

@@ -4,12 +4,13 @@ import pytest
 import torch
 from toy_encoder import ToyEncoder, ToyTower
 
+import lightning_cg.manager
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
 from lightning_cg.replay import padded as _padded
-from lightning_cg.replay import relative_error
+from lightning_cg.replay import relative_error, replay
 
 
 def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, device="cpu"):
@@ -141,23 +142,22 @@ def per_item_count_manager(tower: ToyTower, **kwargs) -> EncoderGraphManager:
     )
 
 
-def record_replayed_slots(manager: EncoderGraphManager, monkeypatch) -> list[int]:
-    """The sequence slots of every graph ``manager`` replays from now on, in order."""
+def record_replayed_slots(monkeypatch) -> list[int]:
+    """The sequence slots of every graph replayed from now on, in order."""
     replayed = []
-    replay = manager._replay
 
-    def spy(graph, path, inputs, total):
+    def spy(graph, *args):
         replayed.append(graph.spec.max_frames)
-        return replay(graph, path, inputs, total)
+        return replay(graph, *args)
 
-    monkeypatch.setattr(manager, "_replay", spy)
+    monkeypatch.setattr(lightning_cg.manager, "replay", spy)
     return replayed
 
 
 def test_a_sub_batch_replays_the_graph_with_the_fewest_slots_that_hold_it(monkeypatch):
     tower = ToyTower().eval()
     manager = per_item_count_manager(tower)
-    slots = record_replayed_slots(manager, monkeypatch)
+    slots = record_replayed_slots(monkeypatch)
     rng = random.Random(7)
     with torch.no_grad():
         for lengths in ([5], [5, 6], [2, 3, 4], [1, 2, 3, 4, 5], [1] * 8):
@@ -221,7 +221,7 @@ def test_an_item_of_several_frames_takes_a_graph_with_enough_slots(
         max_frames_per_batch=max_frames_per_batch,
         capture="first_use",
     )
-    replayed = record_replayed_slots(manager, monkeypatch)
+    replayed = record_replayed_slots(monkeypatch)
     patches, grid_thw = patchify([torch.randn(frames, 3, 16, 16)], config.patch_size)
     with torch.no_grad():
         actual = manager.execute(adapter.inputs_from_call((patches, grid_thw), {}))
@@ -269,24 +269,29 @@ def test_grad_enabled_runs_eagerly():
 
 
 @pytest.mark.parametrize("inference_mode", [True, False])
-def test_eager_runs_in_the_callers_inference_mode(inference_mode, monkeypatch):
+def test_buffers_leave_inference_mode_and_runs_stay_in_the_callers(inference_mode, monkeypatch):
     manager = manager_for(ToyTower().eval(), budgets=BudgetConfig(budgets=[32]))
-    seen = {}
-    for runner in ("eager_forward", "graph_forward"):
+    seen = {"eager_forward": [], "graph_forward": []}
+    for runner in seen:
         original = getattr(manager.encoder, runner)
 
         def spy(*args, runner=runner, original=original):
-            seen[runner] = torch.is_inference_mode_enabled()
+            seen[runner].append(torch.is_inference_mode_enabled())
             return original(*args)
 
         monkeypatch.setattr(manager.encoder, runner, spy)
     # One item over the budget runs eagerly, one small item through the graph path.
     tokens, lengths = make_batch(random.Random(6), [40, 4])
     with torch.inference_mode(inference_mode), torch.no_grad():
-        run(manager, tokens, lengths)
-    assert manager.stats.hits == 1 and manager.stats.misses == 1
-    # Graph buffers are ordinary tensors: captured and replayed outside inference mode.
-    assert seen == {"eager_forward": inference_mode, "graph_forward": False}
+        for _ in range(2):
+            output = run(manager, tokens, lengths)
+    assert manager.stats.hits == 2 and manager.stats.misses == 2
+    # Graph buffers are ordinary tensors (made outside inference mode), which a
+    # replay writes from the caller's mode, the mode its eager runs use too.
+    buffers = [buffer for graph in manager.cache.graphs() for buffer in graph.buffers.values()]
+    assert buffers and not any(buffer.is_inference() for buffer in buffers)
+    assert seen == {"eager_forward": [inference_mode] * 2, "graph_forward": [inference_mode] * 2}
+    assert output.is_inference() == inference_mode
 
 
 class LeakyEncoder(ToyEncoder):

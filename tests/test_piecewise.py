@@ -5,6 +5,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from test_app import CONF
+from test_callback import predictions
 from torchvision.models import VisionTransformer
 from toy_encoder import ToyEncoder, ToyTower
 
@@ -346,9 +347,9 @@ def test_callback_checks_and_passes_the_piecewise_arguments():
         piecewise_fallback="full",
         capture="first_use",
     )
-    manager = callback._build_manager(packed_tower())
-    assert manager.config.splitting_ops == ("aten::gelu",)
-    assert manager.config.piecewise_fallback == "full"
+    predictions(callback)  # builds the manager at setup
+    assert callback.manager.config.splitting_ops == ("aten::gelu",)
+    assert callback.manager.config.piecewise_fallback == "full"
 
 
 def test_hydra_overrides_reach_the_callback():

@@ -135,6 +135,12 @@ class BatchedEncoderAdapter:
             return self._run(inputs)
         return join_rows([output[IMAGE_PATH] for output in outputs])
 
+    def postprocess_joined(
+        self, path_rows: Mapping[str, torch.Tensor], inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """The ``[B, ...]`` output from the rows of every item in order: those rows."""
+        return path_rows[IMAGE_PATH]
+
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         out = self._forward(x)
         if not isinstance(out, torch.Tensor):

@@ -262,6 +262,10 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             return self._run_call(inputs)
         return self._layout(inputs).unflatten(join_rows([item[IMAGE_PATH] for item in outputs]))
 
+    def postprocess_joined(self, path_rows: Mapping[str, torch.Tensor], inputs: HFInputs) -> Any:
+        """The tower's own output type and fields from the rows of every item in order."""
+        return self._layout(inputs).unflatten(path_rows[IMAGE_PATH])
+
     # ------------------------------------------------------------ internals
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -275,6 +275,22 @@ class PackedEncoderAdapter:
             device=inputs.pixel_patches.device,
         )
 
+    def postprocess_joined(
+        self, path_rows: Mapping[str, torch.Tensor], inputs: PackedInputs
+    ) -> torch.Tensor:
+        """The tower's output from each path's rows of every item in order: the
+        local rows as they are, or, with a global view, interleaved per item."""
+        if set(path_rows) == {LOCAL_PATH}:
+            return path_rows[LOCAL_PATH]
+        specs = self.item_specs(inputs)
+        outputs: list[dict[str, torch.Tensor]] = [{} for _ in specs]
+        for path, rows in path_rows.items():
+            tokens = [spec.path_tokens.get(path, 0) for spec in specs]
+            for output, item_rows, count in zip(outputs, rows.split(tokens), tokens, strict=True):
+                if count:
+                    output[path] = item_rows
+        return self.postprocess(outputs, inputs)
+
     def _check_path(self, path: str) -> None:
         if path not in PATHS:
             raise ValueError(f"unknown encoder path {path!r}; allowed: {', '.join(PATHS)}")

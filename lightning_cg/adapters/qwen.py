@@ -308,14 +308,17 @@ class QwenVisionAdapter:
 
     def postprocess(self, outputs: list[dict[str, torch.Tensor]], inputs: QwenInputs) -> Any:
         """The tower's output (``ModelOutput``, or its tuple) of all items in order."""
-        layout = self._layout(inputs.options)
         rows = [output[LOCAL_PATH] for output in outputs if LOCAL_PATH in output]
         if rows:
-            joined = join_rows(rows)
-        else:
-            dtype = next(self.tower.parameters()).dtype
-            joined = torch.empty((0, layout.width), dtype=dtype, device=inputs.pixel_patches.device)
-        output = layout.from_rows(joined)
+            return self.postprocess_joined({LOCAL_PATH: join_rows(rows)}, inputs)
+        width = self._layout(inputs.options).width
+        dtype = next(self.tower.parameters()).dtype
+        empty = torch.empty((0, width), dtype=dtype, device=inputs.pixel_patches.device)
+        return self.postprocess_joined({LOCAL_PATH: empty}, inputs)
+
+    def postprocess_joined(self, path_rows: Mapping[str, torch.Tensor], inputs: QwenInputs) -> Any:
+        """The tower's output from the layout rows of every item in order."""
+        output = self._layout(inputs.options).from_rows(path_rows[LOCAL_PATH])
         return output if inputs.return_dict else output.to_tuple()
 
     def _forward(

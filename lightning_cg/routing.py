@@ -1,0 +1,240 @@
+"""Routing: which graph runs one path of a sub-batch, or why it runs eagerly.
+
+For each path of a sub-batch the :class:`Router` looks up the key its plan's
+dispatcher gives, finds the key's graph in the cache or asks the capture
+policy whether capturing it now pays, and applies measured dispatch. It only
+decides: running the route is the manager's job. Routing reads the items'
+sizes, not their tensors, so a sub-batch that runs eagerly is never gathered
+(see :class:`SubBatch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from lightning_cg.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
+from lightning_cg.call_timer import CallTimer
+from lightning_cg.capture import GraphCapturer, path_keys
+from lightning_cg.capture_policy import CAPTURE, NO_GAIN, CapturePolicy
+from lightning_cg.config import GraphConfig
+from lightning_cg.dispatcher import BatchDescriptor, GraphMode
+from lightning_cg.encoder import GraphableEncoder, ItemSpec
+from lightning_cg.measured_dispatch import MeasuredDispatch
+from lightning_cg.plan import PathPlan, frames_fit_items
+from lightning_cg.stats import GraphStats
+
+
+class SubBatch:
+    """Items of one call packed to run together: their positions in the call,
+    their specs, and their inputs, gathered only when something reads them.
+
+    Args:
+        encoder: the adapter, whose ``select_items`` gathers the inputs.
+        source: the inputs the items are selected from (the call's, or a
+            larger sub-batch's).
+        source_size: how many items ``source`` holds.
+        positions: the items' positions in ``source``.
+        indices: the items' positions in the call.
+        specs: the items' specs.
+    """
+
+    def __init__(
+        self,
+        encoder: GraphableEncoder,
+        source: Any,
+        source_size: int,
+        positions: list[int],
+        indices: list[int],
+        specs: list[ItemSpec],
+    ) -> None:
+        self.indices = indices
+        self.specs = specs
+        self._encoder = encoder
+        self._source = source
+        self._positions = positions
+        # Every item of the source in order is the source itself: no gather (a copy).
+        self._is_source = positions == list(range(source_size))
+
+    @cached_property
+    def inputs(self) -> Any:
+        """The adapter's inputs of these items, in sub-batch order."""
+        if self._is_source:
+            return self._source
+        return self._encoder.select_items(self._source, self._positions)
+
+    def tokens(self, path: str) -> list[int]:
+        """Each item's tokens on ``path``."""
+        return [spec.path_tokens.get(path, 0) for spec in self.specs]
+
+    def part(self, positions: tuple[int, ...]) -> SubBatch:
+        """The items at ``positions`` of this sub-batch, as a sub-batch of their own."""
+        return SubBatch(
+            self._encoder,
+            self.inputs,
+            len(self.specs),
+            list(positions),
+            [self.indices[i] for i in positions],
+            [self.specs[i] for i in positions],
+        )
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one path of one sub-batch runs: a graph, parts of its own, or eagerly.
+
+    ``key`` is set for an eager route whose key has no graph yet, so the policy
+    can learn the key's eager time.
+    """
+
+    tokens: int
+    key: GraphKey | None = None
+    graph: CapturedGraph | None = None
+    parts: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def eager(self) -> bool:
+        return self.graph is None and not self.parts
+
+
+class Router:
+    """Decides each path's route, capturing a key when the capture policy says it pays.
+
+    Args:
+        config: the graph options.
+        paths: the path plans (shared with the capturer, which changes them on faults).
+        cache: the captured graphs.
+        capturer: captures keys, recovering from faults.
+        policy: whether a key is worth capturing, and whether a graph is slower than eager.
+        measured: measured dispatch's tables (``dispatch="measured"``).
+        stats: counters of eager runs by reason.
+        timer: CUDA-event timings the policy learns from.
+        max_items: the item cap of a sub-batch (the manager updates it).
+    """
+
+    def __init__(
+        self,
+        config: GraphConfig,
+        paths: Mapping[str, PathPlan],
+        cache: GraphCache,
+        capturer: GraphCapturer,
+        policy: CapturePolicy,
+        measured: MeasuredDispatch,
+        stats: GraphStats,
+        timer: CallTimer,
+        max_items: int,
+    ) -> None:
+        self.config = config
+        self.paths = paths
+        self.cache = cache
+        self.capturer = capturer
+        self.policy = policy
+        self.measured = measured
+        self.stats = stats
+        self.timer = timer
+        self.max_items = max_items
+
+    def route(self, graph_set: GraphSet, path: str, sub_batch: SubBatch) -> Route:
+        """How ``path`` of ``sub_batch`` runs: which graph, or eagerly and why (counted)."""
+        tokens = sub_batch.tokens(path)
+        total = sum(tokens)
+        if total == 0:
+            return Route(tokens=0)
+        plan = self.paths[path]
+        if self.config.mode is GraphMode.NONE or plan.eager_reason is not None:
+            self.stats.misses += 1
+            return Route(tokens=total)
+        key = self.key(graph_set, path, sub_batch.specs, tokens)
+        if key is None:
+            self.stats.count_eager("above_budget")
+            return Route(tokens=total)
+        self.policy.sighted(key, path, key.descriptor.num_tokens, total)
+        graph, reason = self._graph_for(key, sub_batch)
+        if graph is None:
+            self.stats.count_eager(reason)
+            return Route(key=key, tokens=total)
+        if self.config.dispatch == "measured":
+            return self._measured_route(key, graph, sub_batch, tokens)
+        return Route(key=key, graph=graph, tokens=total)
+
+    def key(
+        self, graph_set: GraphSet, path: str, specs: list[ItemSpec], tokens: list[int]
+    ) -> GraphKey | None:
+        """The key of the graph that holds the sub-batch (its tokens and frames), or None."""
+        plan = self.paths[path]
+        desc = BatchDescriptor(sum(tokens), len(tokens), uniform=len(set(tokens)) == 1)
+        frames = sum(spec.num_frames for spec in specs)
+        runtime_mode, found = plan.dispatcher.dispatch(desc)
+        if not self._holds_frames(plan, runtime_mode, found, frames):
+            # More attention sequences than the key's graph holds (items of
+            # several frames): a mixed key with as many slots, else no FULL key.
+            slots = frames_fit_items(frames, plan, self.max_items)
+            runtime_mode, found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
+            if not self._holds_frames(plan, runtime_mode, found, frames):
+                runtime_mode, found = plan.dispatcher.dispatch(desc, disable_full=True)
+        if runtime_mode is GraphMode.NONE or found is None:
+            return None
+        if frames > plan.graph_frames(runtime_mode, found, self.max_items):
+            return None  # only items with more frames than max_frames_per_item
+        return GraphKey(graph_set, path, runtime_mode, found)
+
+    def _holds_frames(
+        self,
+        plan: PathPlan,
+        runtime_mode: GraphMode,
+        desc: BatchDescriptor | None,
+        frames: int,
+    ) -> bool:
+        """False only for a FULL key whose graph has fewer sequence slots than ``frames``."""
+        if runtime_mode is not GraphMode.FULL or desc is None:
+            return True
+        return frames <= plan.graph_frames(runtime_mode, desc, self.max_items)
+
+    def _graph_for(self, key: GraphKey, sub_batch: SubBatch) -> tuple[CapturedGraph | None, str]:
+        """The graph of ``key``, captured now if the policy says it pays; else why not."""
+        graph = self.cache.get(key)
+        if graph is not None:
+            if self.policy.slower_than_eager(key):
+                return None, "measured_slower"
+            return graph, ""
+        # Timings of earlier runs that have finished; waiting for the rest would
+        # stall the host behind the GPU: a key whose timing is pending waits a call.
+        self.timer.collect()
+        decision = self.policy.decide(key)
+        if decision != CAPTURE:
+            return None, "policy" if decision == NO_GAIN else "no_graph_yet"
+        self._capture_key(key)
+        # A fault may have changed the plan (a dropped budget, an eager path, a
+        # mode without PIECEWISE keys): look again, and capture the key it gives.
+        rekey = self.key(key.graph_set, key.path, sub_batch.specs, sub_batch.tokens(key.path))
+        if rekey is not None and rekey != key and rekey not in self.cache:
+            self._capture_key(rekey)
+        graph = self.cache.get(rekey) if rekey is not None else None
+        return graph, "" if graph is not None else "above_budget"
+
+    def _capture_key(self, key: GraphKey) -> None:
+        plan = self.paths[key.path]
+        # Measured dispatch times a path's whole ladder, so it captures it at once.
+        whole_ladder = self.config.dispatch == "measured"
+        keys = path_keys(key.graph_set, key.path, plan) if whole_ladder else [key]
+        seconds = self.capturer.capture(keys, self.max_items)
+        self.policy.record_capture(key, seconds / max(len(keys), 1))
+
+    def _measured_route(
+        self, key: GraphKey, graph: CapturedGraph, sub_batch: SubBatch, tokens: list[int]
+    ) -> Route:
+        """The route measured dispatch picks: the graph, parts of the sub-batch, or eager."""
+        graph_set, path, total = key.graph_set, key.path, sum(tokens)
+        if not self.measured.has_table(graph_set, path):
+            self.measured.measure(graph_set, path, sub_batch.inputs, sub_batch.specs)
+        decision = self.measured.decide(graph_set, path, tokens)
+        if decision is not None and decision.runner == "split":
+            self.stats.measured_splits += 1
+            return Route(key=key, tokens=total, parts=decision.parts)
+        if decision is not None and decision.runner == "eager":
+            self.stats.measured_eager += 1
+            self.stats.misses += 1
+            return Route(tokens=total)
+        return Route(key=key, graph=graph, tokens=total)
