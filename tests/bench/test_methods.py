@@ -19,6 +19,8 @@ def test_graph_methods_on_cuda(tmp_path, bench_config):
                 "batch_sizes=[1,4]",
                 "scenarios=[single_mixed,mixed_4]",
                 "fail_fast=true",
+                # Graphs at first use: the rows must show a capture on runs this short.
+                "manager.capture=first_use",
                 f"output={tmp_path / 'bench.json'}",
                 "plot=null",
             ]
