@@ -143,6 +143,8 @@ def test_every_method_on_cuda(tmp_path):
         "fit/vit_b_16/batch_8",
         "--fit-epochs=2",
         "--fit-val-batches=3",
+        # Graphs at first use: the rows must show a capture on runs this short.
+        '--callback-kwargs={"capture": "first_use"}',
         f"--output={output}",
         device="cuda",
     )
