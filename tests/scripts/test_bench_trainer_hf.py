@@ -85,7 +85,7 @@ def test_every_method_on_cuda(tmp_path):
         workloads=[Workload.parse(name) for name in HF_WORKLOADS],
         batches=[3],
         methods=["eager", "callback", "compile"],
-        trainer=TrainerSettings("cuda", "bf16-mixed"),
+        trainer=TrainerSettings("cuda", "bf16-mixed", FIRST_USE),
         sizes=TINY_SIZES,
         output=tmp_path / "trainer.json",
     )
