@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_cg.adapters.hf import require_transformers
 from lightning_cg.models.hf import clip_vision_tower
 
 CLIP_TOWER = "clip_vit_b16"
@@ -51,6 +52,7 @@ def clip_tower(**overrides: Any) -> nn.Module:
 def qwen2_vl_tower(**overrides: Any) -> nn.Module:
     """``Qwen2VisionTransformerPretrainedModel`` sized as Qwen2-VL-7B's, with sdpa attention;
     ``overrides`` replace ``Qwen2VLVisionConfig`` fields (e.g. ``depth``, ``embed_dim``)."""
+    require_transformers(QWEN_TOWER)
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import (
         Qwen2VisionTransformerPretrainedModel,
