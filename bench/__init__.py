@@ -23,6 +23,8 @@ Modules, one job each:
 
 - :mod:`bench.settings`: ``conf/bench.yaml`` resolved and checked as ``BenchSettings``.
 - :mod:`bench.workloads`: towers with seeded random weights and the batches they run.
+- :mod:`bench.hf_towers`: the transformers towers (CLIP ViT-B/16, the Qwen2-VL-7B
+  vision tower) of both benchmarks, and how their users call them.
 - :mod:`bench.methods`: the ways to run a tower, one ``Runner`` each.
 - :mod:`bench.timing`: one method on one workload, timed, as one row.
 - :mod:`bench.report`: ratios, the JSON rows, the plot and the table.

@@ -18,6 +18,7 @@ from torch import nn
 from bench.workloads import Workload
 from lightning_cg.adapters import adapter_for
 from lightning_cg.config import GraphConfig
+from lightning_cg.encoder import GraphableEncoder
 from lightning_cg.manager import EncoderGraphManager
 
 if TYPE_CHECKING:  # bench.settings imports this module to check method names
@@ -56,8 +57,14 @@ MethodFn = Callable[[nn.Module, Workload, "BenchSettings"], Runner]
 
 
 def eager_method(tower: nn.Module, workload: Workload, settings: BenchSettings) -> Runner:
-    """The tower as it is."""
-    return Runner(step=lambda index: tower(*workload.batches[index]))
+    """The tower as it is, called as its users call it."""
+    calls = _calls(workload)
+
+    def step(index: int) -> object:
+        args, kwargs = calls[index]
+        return tower(*args, **kwargs)
+
+    return Runner(step=step)
 
 
 def graph_method(
@@ -70,10 +77,11 @@ def graph_method(
     """
     manager = EncoderGraphManager(adapter_for(tower), graph_config(settings.manager, mode))
     encoder = manager.encoder
+    calls = _calls(workload)
     manager.learn_budgets(
         [
-            [spec.path_tokens for spec in encoder.item_specs(encoder.inputs_from_call(batch, {}))]
-            for batch in workload.batches
+            [spec.path_tokens for spec in encoder.item_specs(encoder.inputs_from_call(*call))]
+            for call in calls
         ]
     )
     # The capture policy weighs a capture against the calls the measurement makes.
@@ -83,7 +91,7 @@ def graph_method(
     manager.begin_run(expected_calls=passes * len(workload.batches))
 
     def step(index: int) -> object:
-        return manager.execute(encoder.inputs_from_call(workload.batches[index], {}))
+        return manager.execute(encoder.inputs_from_call(*calls[index]))
 
     return Runner(step=step, manager=manager)
 
@@ -97,19 +105,11 @@ def exact_method(tower: nn.Module, workload: Workload, settings: BenchSettings) 
     # Per batch: (graph, buffers, output). A graph reads its inputs and writes its
     # output by address, so both must live as long as it does.
     graphs: list[list[tuple[torch.cuda.CUDAGraph, dict, object]]] = []
-    for batch in workload.batches:
-        inputs = encoder.inputs_from_call(batch, {})
-        specs = encoder.item_specs(inputs)
+    for call in _calls(workload):
         batch_graphs = []
-        for path in encoder.graph_config().paths:
-            if sum(spec.path_tokens.get(path, 0) for spec in specs):
-                # Metadata may come on the host; the graph reads it on the device.
-                buffers = {
-                    name: rows.to(settings.device)
-                    for name, rows in encoder.replay_inputs(path, inputs).items()
-                }
-                graph, output = _capture(partial(encoder.graph_forward, path, buffers), pool)
-                batch_graphs.append((graph, buffers, output))
+        for path, buffers in exact_buffers(encoder, encoder.inputs_from_call(*call), settings):
+            graph, output = _capture(partial(encoder.graph_forward, path, buffers), pool)
+            batch_graphs.append((graph, buffers, output))
         graphs.append(batch_graphs)
     torch.cuda.synchronize()
 
@@ -124,17 +124,46 @@ def exact_method(tower: nn.Module, workload: Workload, settings: BenchSettings) 
     )
 
 
+def exact_buffers(
+    encoder: GraphableEncoder, inputs: object, settings: BenchSettings
+) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """The static buffers of the ``exact`` graphs of one batch: per path with tokens,
+    exactly the batch's rows (and metadata) on ``settings.device``, what
+    ``encoder.graph_forward(path, buffers)`` runs on.
+
+    The Qwen towers' metadata (``cu_seqlens``, ``position_ids``, ...) come precomputed
+    from ``grid_thw`` on the host, so the graph forward makes no host sync.
+    """
+    specs = encoder.item_specs(inputs)
+    paths = []
+    for path in encoder.graph_config().paths:
+        if sum(spec.path_tokens.get(path, 0) for spec in specs):
+            # Metadata may come on the host; the graph reads it on the device.
+            buffers = {
+                name: rows.to(settings.device)
+                for name, rows in encoder.replay_inputs(path, inputs).items()
+            }
+            paths.append((path, buffers))
+    return paths
+
+
 def compile_method(tower: nn.Module, workload: Workload, settings: BenchSettings) -> Runner:
     """``torch.compile(tower, mode="reduce-overhead")``, compiled afresh for this workload."""
     torch._dynamo.reset()
     compiled = torch.compile(tower, mode="reduce-overhead")
+    calls = _calls(workload)
 
     def step(index: int) -> object:
         torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*workload.batches[index])
+        args, kwargs = calls[index]
+        return compiled(*args, **kwargs)
 
     note = "capture_s: first pass minus a steady pass (compilation and recording)"
     return Runner(step=step, setup_in_first_pass=True, close=torch._dynamo.reset, note=note)
+
+
+def _calls(workload: Workload) -> list[tuple[tuple, dict[str, torch.Tensor]]]:
+    return [workload.call(index) for index in range(len(workload.batches))]
 
 
 def _capture(run: Callable[[], object], pool: Any) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.hf_towers import CALL_KEYWORDS, CLIP_TOWER, HF_TOWERS, QWEN_TOWER
 from lightning_cg.models.packed_vit import (
     PackedViT,
     packed_vit_config,
@@ -21,8 +22,8 @@ from lightning_cg.models.packed_vit import (
 if TYPE_CHECKING:  # bench.settings imports this module to check workload names
     from bench.settings import BenchSettings
 
-BATCHED_TOWERS = ("vit_b_16", "resnet50")
-PACKED_TOWERS = ("packed_vit_small", "packed_vit")
+BATCHED_TOWERS = ("vit_b_16", "resnet50", CLIP_TOWER)
+PACKED_TOWERS = ("packed_vit_small", "packed_vit", QWEN_TOWER)
 STREAM = "stream"
 WORKLOADS = (*BATCHED_TOWERS, *PACKED_TOWERS, STREAM)
 #: Packed-tower scenarios: images per batch and the side range (a key of ``sizes``).
@@ -30,6 +31,7 @@ SCENARIOS = {
     "single_mixed": (1, "mixed_sides"),
     "single_small": (1, "small_sides"),
     "mixed_4": (4, "mixed_sides"),
+    "mixed_8": (8, "wide_sides"),
     "small_16": (16, "small_sides"),
     "photos": (None, None),
 }
@@ -42,10 +44,13 @@ def build_tower(name: str, overrides: Mapping[str, Any], settings: BenchSettings
 
     Args:
         name: ``vit_b_16``, ``resnet50`` (torchvision), ``packed_vit_small`` or
-            ``packed_vit`` (:mod:`lightning_cg.models.packed_vit` presets).
+            ``packed_vit`` (:mod:`lightning_cg.models.packed_vit` presets),
+            ``clip_vit_b16`` or ``qwen2_vl_vision`` (transformers, see
+            :mod:`bench.hf_towers`).
         overrides: constructor fields replaced, e.g. ``num_layers`` of the ViT,
-            ``layers`` of the ResNet, any ``PackedViTConfig`` field;
-            ``image_size`` is the input side of batch-first towers.
+            ``layers`` of the ResNet, any ``PackedViTConfig``, ``CLIPVisionConfig``
+            or ``Qwen2VLVisionConfig`` field; ``image_size`` is the input side of
+            batch-first towers.
     """
     from torchvision.models.resnet import Bottleneck, ResNet
     from torchvision.models.vision_transformer import VisionTransformer
@@ -65,6 +70,8 @@ def build_tower(name: str, overrides: Mapping[str, Any], settings: BenchSettings
             tower = PackedViT(packed_vit_small_config(**overrides))
         elif name == "packed_vit":
             tower = PackedViT(packed_vit_config(**overrides))
+        elif name in HF_TOWERS:
+            tower = HF_TOWERS[name](**overrides)
         else:
             raise ValueError(f"unknown tower {name!r}; allowed: {', '.join(WORKLOADS[:-1])}")
     return tower.to(settings.dtype).eval()
@@ -79,12 +86,21 @@ class Workload:
         batches: call arguments of each batch: ``(x,)`` or ``(pixel_patches, grid_thw)``.
         images: images in one pass.
         stream: every batch has a distinct shape; ``total_s`` is the headline.
+        keywords: names of a batch's last arguments, passed by keyword as the
+            tower's users pass them (``pixel_values``; ``grid_thw``).
     """
 
     name: str
     batches: list[Batch]
     images: int
     stream: bool = False
+    keywords: tuple[str, ...] = ()
+
+    def call(self, index: int) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """Positional and keyword arguments of batch ``index``, as its tower is called."""
+        batch = self.batches[index]
+        positional = len(batch) - len(self.keywords)
+        return batch[:positional], dict(zip(self.keywords, batch[positional:], strict=True))
 
 
 def tower_workloads(tower_name: str, tower: nn.Module, settings: BenchSettings) -> list[Workload]:
@@ -92,7 +108,12 @@ def tower_workloads(tower_name: str, tower: nn.Module, settings: BenchSettings) 
     if tower_name in BATCHED_TOWERS:
         side = settings.sizes["towers"][tower_name]["image_size"]
         return [
-            Workload(f"{tower_name}/batch_{size}", [_batched(size, side, settings)], size)
+            Workload(
+                f"{tower_name}/batch_{size}",
+                [_batched(size, side, settings)],
+                size,
+                keywords=CALL_KEYWORDS.get(tower_name, ()),
+            )
             for size in settings.batch_sizes
         ]
     workloads = []
@@ -107,7 +128,14 @@ def tower_workloads(tower_name: str, tower: nn.Module, settings: BenchSettings) 
                 _packed(images[start : start + per_batch], tower, settings)
                 for start in range(0, count, per_batch)
             ]
-        workloads.append(Workload(f"{tower_name}/{scenario}", batches, _count_images(batches)))
+        workloads.append(
+            Workload(
+                f"{tower_name}/{scenario}",
+                batches,
+                _count_images(batches),
+                keywords=CALL_KEYWORDS.get(tower_name, ()),
+            )
+        )
     return workloads
 
 
@@ -121,11 +149,12 @@ def stream_workload(tower_name: str, tower: nn.Module, settings: BenchSettings) 
     shapes = settings.stream["shapes"]
     random_state = _Random(settings.seed)
     name = f"{STREAM}/{tower_name}"
+    keywords = CALL_KEYWORDS.get(tower_name, ())
     if tower_name in BATCHED_TOWERS:
         side = settings.sizes["towers"][tower_name]["image_size"]
         sizes = random_state.rng.sample(range(1, shapes + 1), shapes)
         batches = [_batched(size, side, settings, random_state.generator) for size in sizes]
-        return Workload(name, batches, sum(sizes), stream=True)
+        return Workload(name, batches, sum(sizes), stream=True, keywords=keywords)
     batches, seen = [], set()
     for _ in range(100 * shapes):
         count = random_state.rng.randint(1, settings.stream["max_images"])
@@ -135,7 +164,7 @@ def stream_workload(tower_name: str, tower: nn.Module, settings: BenchSettings) 
             seen.add(pixels)
             batches.append(_packed(images, tower, settings))
         if len(batches) == shapes:
-            return Workload(name, batches, _count_images(batches), stream=True)
+            return Workload(name, batches, _count_images(batches), stream=True, keywords=keywords)
     raise ValueError(
         f"found only {len(batches)} distinct batch shapes of stream.shapes={shapes}: widen "
         "sizes.stream_sides or raise stream.max_images"
@@ -158,12 +187,12 @@ def _batched(
     return (x.to(settings.device, settings.dtype),)
 
 
-def _grid_multiple(tower: PackedViT) -> int:
+def _grid_multiple(tower: nn.Module) -> int:
     return tower.config.patch_size * tower.config.spatial_merge_size
 
 
 def _images(
-    tower: PackedViT, count: int, sides: Sequence[int], random_state: _Random
+    tower: nn.Module, count: int, sides: Sequence[int], random_state: _Random
 ) -> list[torch.Tensor]:
     """``count`` standard-normal images ``[3, H, W]``, sides multiples of the tower's grid
     within ``sides = [min, max]``."""
@@ -174,9 +203,12 @@ def _images(
     return [torch.randn(3, h * multiple, w * multiple, generator=generator) for h, w in grids]
 
 
-def _packed(images: Sequence[torch.Tensor], tower: PackedViT, settings: BenchSettings) -> Batch:
+def _packed(images: Sequence[torch.Tensor], tower: nn.Module, settings: BenchSettings) -> Batch:
     config = tower.config
-    patches, grid_thw = patchify(images, config.patch_size, config.spatial_merge_size)
+    # A Qwen tower's patch spans temporal_patch_size frames: an image is repeated, as
+    # its processor does.
+    frames = getattr(config, "temporal_patch_size", 1)
+    patches, grid_thw = patchify(images, config.patch_size, config.spatial_merge_size, frames)
     # grid_thw stays on the host, where the tower and the adapter read it.
     return patches.to(settings.device, settings.dtype), grid_thw
 
@@ -185,7 +217,7 @@ def _count_images(batches: Sequence[Batch]) -> int:
     return sum(len(grid_thw) for _, grid_thw in batches)
 
 
-def _photo_batches(tower: PackedViT, settings: BenchSettings) -> list[Batch]:
+def _photo_batches(tower: nn.Module, settings: BenchSettings) -> list[Batch]:
     photos = _load_photos(_grid_multiple(tower), settings.sizes["photos_max_side"])
     per_batch = settings.packed["photos_per_batch"]
     return [

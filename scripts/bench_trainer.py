@@ -12,6 +12,8 @@ with a validation loop each epoch and sum the validation tower seconds.
     python scripts/bench_trainer.py --workloads packed_vit/mixed_batch_8 --batches 1000 \\
         --methods eager callback
     python scripts/bench_trainer.py --workloads fit/vit_b_16/batch_8 --fit-epochs 5
+    python scripts/bench_trainer.py --workloads clip_vit_b16/batch_8 \
+        qwen2_vl_vision/mixed_batch_8 --batches 100     # transformers towers (the hf extra)
     python scripts/bench_trainer.py --device cpu --tiny --batches 2 --fit-epochs 2 \\
         --fit-val-batches 2 --output /tmp/trainer.json
 
@@ -44,6 +46,7 @@ from bench.trainer.suite import BenchSettings, run_benchmark  # noqa: E402
 from bench.trainer.workloads import (  # noqa: E402
     FIT_WORKLOADS,
     FULL_SIZES,
+    HF_WORKLOADS,
     PREDICT_WORKLOADS,
     TINY_SIZES,
     Workload,
@@ -59,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=[*PREDICT_WORKLOADS, *FIT_WORKLOADS],
         help="[fit/]<tower>/batch_<n> or [fit/]<tower>/mixed_batch_<n>; default: "
-        + " ".join([*PREDICT_WORKLOADS, *FIT_WORKLOADS]),
+        + " ".join([*PREDICT_WORKLOADS, *FIT_WORKLOADS])
+        + "; the transformers towers (called as their users call them): "
+        + " ".join(HF_WORKLOADS),
     )
     parser.add_argument(
         "--batches",

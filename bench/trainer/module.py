@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.hf_towers import is_hf_tower, merged_tokens
 from lightning_cg.models.lit import embed_dim_of, pool_items
 from lightning_cg.models.packed_vit import tokens_per_item
 
@@ -22,11 +23,14 @@ class UserModule(pl.LightningModule):
 
     Each tower call is timed with a synchronize on each side, and the seconds
     add up in :attr:`tower_seconds` (reset by :class:`RunClock` at each run).
+    A transformers tower is called as its users call it: a batch-first one as
+    ``backbone(pixel_values=images).pooler_output``, a Qwen vision tower as
+    ``backbone(pixel_patches, grid_thw=grid_thw).pooler_output`` (its merged tokens).
 
     Args:
         backbone: the tower, a batch-first one (``backbone(images)``) or a packed
-            one (``backbone(pixel_patches, grid_thw)`` with a ``config``); it may be
-            a ``torch.compile``'d module.
+            one (``backbone(pixel_patches, grid_thw)`` with a ``config``), or a
+            transformers tower; it may be a ``torch.compile``'d module.
         num_classes: classes of the head.
         lr: AdamW learning rate.
     """
@@ -36,7 +40,10 @@ class UserModule(pl.LightningModule):
         self.backbone = backbone
         tower = getattr(backbone, "_orig_mod", backbone)  # the module under torch.compile
         self.packed_config = getattr(tower, "config", None)
-        self.head = nn.Linear(embed_dim_of(tower), num_classes)
+        self.transformers = is_hf_tower(tower)
+        # A transformers tower's pooler output is config.hidden_size wide (Qwen: the merger's).
+        width = tower.config.hidden_size if self.transformers else embed_dim_of(tower)
+        self.head = nn.Linear(width, num_classes)
         self.lr = lr
         self.tower_seconds = 0.0
         self.tower_calls = 0
@@ -44,9 +51,9 @@ class UserModule(pl.LightningModule):
     def embed(self, batch: Batch) -> torch.Tensor:
         """One embedding per image: the tower's output, packed rows averaged per image."""
         if "pixel_patches" in batch:
-            tokens = self._timed_tower(batch["pixel_patches"], batch["grid_thw"])
-            return pool_items(tokens, tokens_per_item(batch["grid_thw"], self.packed_config))
-        return self._timed_tower(batch["images"]).flatten(1)
+            tokens = self._timed_tower(self._packed_call, batch["pixel_patches"], batch["grid_thw"])
+            return pool_items(tokens, self._tokens_per_item(batch["grid_thw"]))
+        return self._timed_tower(self._batched_call, batch["images"]).flatten(1)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self.embed(batch)
@@ -65,10 +72,27 @@ class UserModule(pl.LightningModule):
     def _loss(self, batch: Batch) -> torch.Tensor:
         return F.cross_entropy(self.head(self.embed(batch)).float(), batch["targets"])
 
-    def _timed_tower(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def _packed_call(self, pixel_patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        if self.transformers:
+            return self.backbone(pixel_patches, grid_thw=grid_thw).pooler_output
+        return self.backbone(pixel_patches, grid_thw)
+
+    def _batched_call(self, images: torch.Tensor) -> torch.Tensor:
+        if self.transformers:
+            return self.backbone(pixel_values=images).pooler_output
+        return self.backbone(images)
+
+    def _tokens_per_item(self, grid_thw: torch.Tensor) -> list[int]:
+        if self.transformers:
+            return merged_tokens(grid_thw, self.packed_config.spatial_merge_size)
+        return tokens_per_item(grid_thw, self.packed_config)
+
+    def _timed_tower(
+        self, call: Callable[..., torch.Tensor], *inputs: torch.Tensor
+    ) -> torch.Tensor:
         _synchronize(self.device)
         started = time.perf_counter()
-        outputs = self.backbone(*inputs)
+        outputs = call(*inputs)
         _synchronize(self.device)
         self.tower_seconds += time.perf_counter() - started
         self.tower_calls += 1

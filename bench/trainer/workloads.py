@@ -22,11 +22,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision.models.resnet import Bottleneck, ResNet
 
+from bench.hf_towers import CLIP_TOWER, HF_TOWERS, QWEN_TOWER, patch_dim
 from lightning_cg.data.synthetic import random_image_sizes
 from lightning_cg.models.lit import build_tower
 
-BATCHED_TOWERS = ("vit_b_16", "resnet50")
-PACKED_TOWERS = ("packed_vit_small", "packed_vit")
+BATCHED_TOWERS = ("vit_b_16", "resnet50", CLIP_TOWER)
+PACKED_TOWERS = ("packed_vit_small", "packed_vit", QWEN_TOWER)
 PREDICT_WORKLOADS = (
     "vit_b_16/batch_1",
     "vit_b_16/batch_8",
@@ -37,6 +38,14 @@ PREDICT_WORKLOADS = (
     "packed_vit/mixed_batch_8",
 )
 FIT_WORKLOADS = ("fit/vit_b_16/batch_8", "fit/packed_vit_small/mixed_batch_8")
+#: The transformers towers (needs the hf extra; not in the default run): CLIP ViT-B/16
+#: and the Qwen2-VL-7B vision tower, built from configs with random weights.
+HF_WORKLOADS = (
+    f"{CLIP_TOWER}/batch_1",
+    f"{CLIP_TOWER}/batch_8",
+    f"{QWEN_TOWER}/mixed_batch_1",
+    f"{QWEN_TOWER}/mixed_batch_8",
+)
 FIT_PREFIX = "fit/"
 NUM_CLASSES = 10
 _NAME = re.compile(r"(?P<fit>fit/)?(?P<tower>\w+)/(?P<mixed>mixed_)?batch_(?P<size>[1-9]\d*)")
@@ -48,7 +57,8 @@ class Workload:
 
     Attributes:
         name: as in the rows, e.g. ``vit_b_16/batch_8`` or ``fit/packed_vit/mixed_batch_8``.
-        tower: a name of :func:`lightning_cg.models.lit.build_tower`.
+        tower: a name of :func:`lightning_cg.models.lit.build_tower` or of
+            :data:`bench.hf_towers.HF_TOWERS`.
         batch_size: images per batch.
         mixed: images of mixed sizes, packed (packed towers) instead of same-size.
         fit: ``trainer.fit`` with validation each epoch instead of ``trainer.predict``.
@@ -112,6 +122,20 @@ TINY_SIZES = Sizes(
         "resnet50": {"layers": [1, 1, 1, 1], "width_per_group": 16, "num_classes": 16},
         "packed_vit_small": {"hidden_size": 32, "depth": 1, "num_heads": 2, "out_hidden_size": 32},
         "packed_vit": {"hidden_size": 32, "depth": 1, "num_heads": 2, "out_hidden_size": 32},
+        CLIP_TOWER: {
+            "patch_size": 8,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        QWEN_TOWER: {
+            "depth": 1,
+            "embed_dim": 32,
+            "num_heads": 2,
+            "hidden_size": 32,
+            "patch_size": 4,
+        },
     },
 )
 
@@ -120,8 +144,10 @@ def make_tower(workload: Workload, sizes: Sizes, seed: int) -> nn.Module:
     """The workload's tower with seeded random weights, in eval mode on the CPU."""
     torch.manual_seed(seed)
     overrides = dict(sizes.towers.get(workload.tower, {}))
-    if workload.tower == "vit_b_16":
+    if workload.tower in ("vit_b_16", CLIP_TOWER):
         overrides.setdefault("image_size", sizes.image_side)
+    if workload.tower in HF_TOWERS:
+        return HF_TOWERS[workload.tower](**overrides).eval()
     if workload.tower == "resnet50" and "layers" in overrides:
         # resnet50() fixes its blocks per stage; fewer blocks need the class itself.
         return ResNet(Bottleneck, **overrides).eval()
@@ -173,7 +199,7 @@ class SyntheticBatches(Dataset):
             ]
             rows = [int(grid.prod(dim=1).sum()) for grid in self.grids]
             largest_batch = size * (high // patch) ** 2
-            noise_shape = (2 * largest_batch, config.patch_dim)
+            noise_shape = (2 * largest_batch, patch_dim(config))
         else:
             self.grids = None
             rows = [size] * count

@@ -9,6 +9,9 @@ from bench.settings import resolve_settings
     ("override", "field"),
     [
         ("workloads=[vit_b_32]", "workloads"),
+        ("workloads=[clip_vit_b32]", "workloads"),
+        ("workloads=[qwen2_vl]", "workloads"),
+        ("scenarios=[mixed_9]", "scenarios"),
         ("methods=[eager,tensorrt]", "methods"),
         ("modes=[fastest]", "graph mode"),
         ("dtype=int8", "dtype"),
@@ -19,3 +22,10 @@ from bench.settings import resolve_settings
 def test_bad_settings_name_the_field(bench_config, override, field):
     with pytest.raises(ValueError, match=field):
         resolve_settings(bench_config(["device=cpu", override]))
+
+
+def test_an_unknown_workload_lists_the_transformers_towers(bench_config):
+    with pytest.raises(
+        ValueError, match=r"\['qwen2_vl'\]; allowed: .*clip_vit_b16.*qwen2_vl_vision"
+    ):
+        resolve_settings(bench_config(["device=cpu", "workloads=[clip_vit_b16,qwen2_vl]"]))

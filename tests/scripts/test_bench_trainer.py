@@ -124,7 +124,17 @@ def test_a_later_invocation_fills_in_the_methods_it_ran():
 
 
 @pytest.mark.parametrize(
-    "name", ["vit_b_32/batch_8", "vit_b_16/mixed_batch_8", "packed_vit/batch_8", "vit_b_16/batch_0"]
+    "name",
+    [
+        "vit_b_32/batch_8",
+        "vit_b_16/mixed_batch_8",
+        "packed_vit/batch_8",
+        "vit_b_16/batch_0",
+        "clip_vit_b32/batch_8",
+        "clip_vit_b16/mixed_batch_8",
+        "qwen2_vl_vision/batch_8",
+        "qwen2_vl/mixed_batch_8",
+    ],
 )
 def test_bad_workload_names_the_field(name):
     with pytest.raises(ValueError, match=f"workloads has '{name}'"):
