@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.hf_towers import CALL_KEYWORDS, CLIP_TOWER, HF_TOWERS, QWEN_TOWER
+from lightning_cg.adapters.qwen import qwen_tower_kind
 from lightning_cg.models.packed_vit import (
     PackedViT,
     packed_vit_config,
@@ -209,8 +210,13 @@ def _packed(images: Sequence[torch.Tensor], tower: nn.Module, settings: BenchSet
     # its processor does.
     frames = getattr(config, "temporal_patch_size", 1)
     patches, grid_thw = patchify(images, config.patch_size, config.spatial_merge_size, frames)
-    # grid_thw stays on the host, where the tower and the adapter read it.
-    return patches.to(settings.device, settings.dtype), grid_thw
+    patches = patches.to(settings.device, settings.dtype)
+    if qwen_tower_kind(tower) is not None:
+        # A Qwen tower derives its positions from grid_thw on the patches' device,
+        # where the Qwen-VL models keep it.
+        return patches, grid_thw.to(settings.device)
+    # PackedViT reads grid_thw on the host, and so does the adapter.
+    return patches, grid_thw
 
 
 def _count_images(batches: Sequence[Batch]) -> int:

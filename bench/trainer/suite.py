@@ -140,6 +140,7 @@ def warm_up(tower: nn.Module, batches: SyntheticBatches, device: str, precision:
     batch = batches[0]
     packed = "grid_thw" in batch
     inputs = (batch["pixel_patches"], batch["grid_thw"]) if packed else (batch["images"],)
+    inputs = tuple(tensor.to(device) for tensor in inputs)  # as Lightning moves a batch
     dtype = _AUTOCAST.get(precision)
     tower.to(device)
     with torch.inference_mode(), torch.autocast(device, dtype=dtype, enabled=dtype is not None):
