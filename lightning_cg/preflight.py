@@ -93,7 +93,11 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     tower = resolve_module(model, callback.module)
     if "input" in cfg.model and _tower_kind(cfg) == PACKED:
         _check_tower_sizes(cfg, getattr(tower, "config", None))
-    EncoderGraphManager(adapter_for(tower, callback.adapter), callback.config)
+    try:
+        adapter = adapter_for(tower, callback.adapter)
+    except ValueError as error:
+        raise ValueError(f"cudagraph.module={callback.module!r}: {error}") from None
+    EncoderGraphManager(adapter, callback.config)
 
 
 def _tower_kind(cfg: DictConfig) -> str:
