@@ -275,3 +275,13 @@ def test_measured_dispatch_does_not_time_on_a_nan_batch_and_says_so(monkeypatch)
         execute(manager, torch.randn(12, 8), lengths)
     assert len(manager.measured.tables) == 1 and timed  # a finite batch measures the path
     assert all(torch.isfinite(output).all() for output in timed)
+
+
+@pytest.mark.cuda
+def test_cuda_a_budget_beyond_the_gpu_is_refused_naming_the_device():
+    tower, _ = packed_manager("cuda")
+    adapter = PackedEncoderAdapter(tower, min_token_budget=4, max_token_budget=64)
+    total = torch.cuda.get_device_properties(0).total_memory
+    too_many = total // adapter.min_bytes_per_token("local") + 1
+    with pytest.raises(ValueError, match=rf"max_budget={too_many} cannot fit.*of cuda:0"):
+        EncoderGraphManager(adapter, budgets={"max_budget": too_many})
