@@ -17,9 +17,11 @@ import time
 
 import pytest
 from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf import OmegaConf
 from test_app import CONF, ROOT, TINY_TOWER, compose_config
 
 import lightning_cg.app
+from bench.settings import resolve_settings
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.callback import CUDAGraphCallback
 from lightning_cg.config import BudgetConfig, GraphConfig
@@ -120,6 +122,22 @@ HYDRA_ROWS = [
         "temporal_patch_size",
     ),
     ("predict", [*TINY_TOWER, "+model.module.vision_tower.patch_size=8"], "patch_size"),
+]
+
+
+# (overrides of conf/bench.yaml, field the message names): refused by resolve_settings,
+# before any workload runs
+BENCH_ROWS = [
+    (["quick=maybe"], "quick"),
+    (["tiny=yes"], "tiny"),
+    (["fail_fast=1"], "fail_fast"),
+    (["seed=1.5"], "seed"),
+    (["batch_sizes=[1.5]"], "batch_sizes"),
+    (["repeats=true"], "repeats"),
+    (["manager.verify=no"], "verify"),
+    (["manager.packing=best"], "packing"),
+    (["dtype=float8"], "dtype"),
+    (["methods=[fastest]"], "methods"),
 ]
 
 
@@ -252,7 +270,7 @@ class WorkStarted(AssertionError):
 
 
 def test_the_table_covers_at_least_sixty_bad_inputs():
-    assert len(HYDRA_ROWS) + len(PYTHON_ROWS) >= 60 and len(HYDRA_ROWS) >= 30
+    assert len(HYDRA_ROWS) + len(BENCH_ROWS) + len(PYTHON_ROWS) >= 60 and len(HYDRA_ROWS) >= 30
 
 
 @pytest.mark.parametrize(
@@ -282,6 +300,14 @@ def test_a_bad_python_argument_is_refused_at_construction(call, field):
     with pytest.raises(REFUSALS) as refused:
         call()
     assert time.perf_counter() - started < FAST_SECONDS
+    assert names_field(message(refused.value), field), message(refused.value)
+
+
+@pytest.mark.parametrize(("overrides", "field"), BENCH_ROWS, ids=[row[0][0] for row in BENCH_ROWS])
+def test_a_bad_bench_override_is_refused_before_any_workload(overrides, field):
+    with pytest.raises(REFUSALS) as refused:
+        config = compose_config("bench", ["tiny=true", "device=cpu", *overrides])
+        resolve_settings(OmegaConf.to_container(config, resolve=True))
     assert names_field(message(refused.value), field), message(refused.value)
 
 
