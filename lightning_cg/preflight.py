@@ -74,7 +74,9 @@ def check_config(cfg: DictConfig) -> CUDAGraphCallback:
             f"compare_eager must be true, false or null (on a GPU only); got {compare_eager!r}"
         )
     passes = cfg.get("passes")
-    if passes is not None and passes < 1:
+    if passes is not None and (
+        not isinstance(passes, int) or isinstance(passes, bool) or passes < 1
+    ):
         raise ValueError(f"passes must be a positive integer or null (auto); got passes={passes}")
     callback = instantiate(cfg.cudagraph)
     _check_batch_kind(cfg)
