@@ -69,7 +69,7 @@ def resolve_settings(config: Mapping[str, Any]) -> BenchSettings:
     Raises:
         ValueError: a field has a value outside what it allows; the message names it.
     """
-    profile = "quick" if config["quick"] else "full"
+    profile = "quick" if _flag(config, "quick") else "full"
     defaults = config["profiles"][profile]
 
     def pick(name: str) -> Any:
@@ -79,21 +79,21 @@ def resolve_settings(config: Mapping[str, Any]) -> BenchSettings:
     settings = BenchSettings(
         device=_resolve_device(config["device"]),
         dtype=_choice("dtype", config["dtype"], DTYPES),
-        seed=int(config["seed"]),
+        seed=_integer("seed", config["seed"]),
         workloads=list(pick("workloads")),
-        batch_sizes=[int(size) for size in pick("batch_sizes")],
+        batch_sizes=[_integer("batch_sizes[]", size) for size in pick("batch_sizes")],
         scenarios=list(pick("scenarios")),
         methods=list(config["methods"]),
         modes=list(config["modes"]),
         skip_methods=list(pick("skip_methods")),
-        warmup=int(pick("warmup")),
-        repeats=int(pick("repeats")),
+        warmup=_integer("warmup", pick("warmup")),
+        repeats=_integer("repeats", pick("repeats")),
         stream=dict(config["stream"]),
-        sizes=dict(config["tiny_sizes"] if config["tiny"] else config["sizes"]),
+        sizes=dict(config["tiny_sizes"] if _flag(config, "tiny") else config["sizes"]),
         packed=dict(config["packed"]),
         manager=dict(config["manager"]),
         profile=profile,
-        fail_fast=bool(config.get("fail_fast", False)),
+        fail_fast=_flag(config, "fail_fast"),
     )
     _check(settings)
     return settings
@@ -121,6 +121,20 @@ def _check(settings: BenchSettings) -> None:
             f"{stream['shapes']}, {stream['repeats']}, {stream['max_images']}"
         )
     graph_config(settings.manager, "full")
+
+
+def _flag(config: Mapping[str, Any], name: str) -> bool:
+    value = config.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false; got {name}={value!r}")
+    return value
+
+
+def _integer(name: str, value: Any) -> int:
+    # int() would truncate 1.5 and take True as 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer; got {name}={value!r}")
+    return value
 
 
 def _check_names(field_name: str, names: Sequence[str], allowed: Sequence[str]) -> None:

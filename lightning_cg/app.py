@@ -20,6 +20,9 @@ from torch import nn
 
 from lightning_cg.callback import CUDAGraphCallback, resolve_module
 
+# Also registers the apps' structured config schema (lightning_cg.schema) with Hydra.
+from lightning_cg.preflight import check_config, check_tower
+
 STAGES = ("predict", "validate", "fit")
 #: Passes over the data on a GPU when ``passes`` is null: enough for the steady state.
 GPU_PASSES = 5
@@ -127,10 +130,16 @@ def run(cfg: DictConfig, stage: str) -> RunReport:
     ``cfg.compare_eager`` (null: on a GPU only) runs the same passes without
     the callback. On a GPU one untimed eager batch runs first (CUDA context,
     cuBLAS), so that neither method's first pass pays for the start.
+
+    A config that cannot work is refused before anything runs
+    (:mod:`lightning_cg.preflight`): bad values, model and data that disagree,
+    budgets the device cannot hold.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
+    checked_callback = check_config(cfg)
     model, datamodule = build(cfg)
+    check_tower(cfg, model, checked_callback)
     trainer, callback = make_trainer(cfg)
     on_gpu = trainer.strategy.root_device.type == "cuda"
     passes = 1 if stage == "fit" else _passes(cfg.get("passes", 1), on_gpu)

@@ -4,7 +4,9 @@ With ``dispatch="measured"`` a path's whole ladder is captured when its first
 key is, and every graph of it is timed against eager on the first real
 sub-batch (its items repeated to fill each budget, so both see the data's
 sequence lengths). Sub-batches then go to a graph, to eager, or split into
-smaller graphs by :class:`~lightning_cg.measured.DecisionTable`.
+smaller graphs by :class:`~lightning_cg.measured.DecisionTable`. Items whose
+inputs hold NaN or infinity are not timed on: a warning names the path and the
+input, and a later sub-batch measures the path.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class MeasuredDispatch:
         self._eager = eager
         self._tables: dict[tuple[GraphSet, str], DecisionTable] = {}
         self._told_needs_cuda = False
+        self._told_non_finite: set[str] = set()
 
     def has_table(self, graph_set: GraphSet, path: str) -> bool:
         return (graph_set, path) in self._tables
@@ -67,10 +70,15 @@ class MeasuredDispatch:
 
         Budgets no item fits are timed on their capture buffers, graph only.
         Without real tokens (every item above every budget) eager cannot be
-        timed; a later sub-batch measures the path.
+        timed, and on inputs with NaN or infinity nothing is (a warning says
+        so); a later sub-batch measures the path.
         """
         if not self.cache.has_pool:
             self._tell_needs_cuda()
+            return
+        non_finite = non_finite_inputs(self.encoder, path, inputs)
+        if non_finite:
+            self._tell_non_finite(path, non_finite)
             return
         samples = [
             self._timing_sample(graph, path, inputs, specs)
@@ -111,6 +119,19 @@ class MeasuredDispatch:
         )
         self._told_needs_cuda = True
 
+    def _tell_non_finite(self, path: str, names: list[str]) -> None:
+        if path in self._told_non_finite:
+            return
+        warnings.warn(
+            f"dispatch='measured': the items path {path!r} was to be timed on hold NaN or "
+            f"infinity in their input {', '.join(names)}; they are not timed on (a later "
+            "sub-batch with finite inputs measures the path). The batch is at fault, not "
+            "the tower.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        self._told_non_finite.add(path)
+
     def _timing_sample(
         self, graph: CapturedGraph, path: str, inputs: Any, specs: list[ItemSpec]
     ) -> TimingSample:
@@ -133,3 +154,16 @@ class MeasuredDispatch:
             # As a miss runs: the tower as it is (never compiled), in the caller's mode.
             eager=functools.partial(self._eager, path, sub_inputs),
         )
+
+
+def non_finite_inputs(encoder: GraphableEncoder, path: str, inputs: Any) -> list[str]:
+    """Names of the floating-point inputs of ``path`` that hold NaN or infinity.
+
+    Reads the real rows the encoder would copy into a graph
+    (:meth:`~lightning_cg.encoder.GraphableEncoder.replay_inputs`); one host sync.
+    """
+    return [
+        name
+        for name, rows in encoder.replay_inputs(path, inputs).items()
+        if rows.is_floating_point() and not torch.isfinite(rows).all()
+    ]

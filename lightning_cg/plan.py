@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from lightning_cg.budget_memory import check_budgets_fit
 from lightning_cg.budgets import AUTO_LADDER, resolve_budgets
 from lightning_cg.config import BudgetConfig, GraphConfig
 from lightning_cg.dispatcher import BatchDescriptor, CudagraphDispatcher, GraphMode
@@ -140,7 +141,12 @@ def resolve_path(
 def plan_paths(
     encoder: GraphableEncoder, config: GraphConfig, choices: Mapping[str, BudgetConfig]
 ) -> tuple[dict[str, PathPlan], int]:
-    """Every path's plan, and the item cap of a sub-batch (the tightest path's)."""
+    """Every path's plan, and the item cap of a sub-batch (the tightest path's).
+
+    Raises:
+        ValueError: a path's largest budget cannot fit any memory in reach
+            (:func:`~lightning_cg.budget_memory.check_budgets_fit`).
+    """
     user_max_items = config.max_items_per_batch
     max_items = min(
         resolve_path(encoder, path, choice, user_max_items)[1] for path, choice in choices.items()
@@ -167,6 +173,7 @@ def plan_paths(
             item_frames=frames_per_item,
             max_frames=max_frames,
         )
+    check_budgets_fit(encoder, {path: plan.budgets for path, plan in plans.items()}, config)
     return plans, max_items
 
 

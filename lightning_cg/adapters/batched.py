@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_cg.adapters import as_slice, join_rows
+from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 #: The only encoder path of a batch-first tower.
@@ -65,6 +66,19 @@ class BatchedEncoderAdapter:
         """Budgets from a batch of one up to ``max_batch_size``."""
         self._check_path(path)
         return 1, self.max_batch_size
+
+    def min_bytes_per_token(self, path: str) -> int | None:
+        """Bytes one token (an image) of a graph's budget needs at least: its row of
+        the static input buffer, when the tower fixes its image side (torchvision's
+        ViT, a transformers config's ``image_size``); None when the side comes with
+        the first batch (see :mod:`lightning_cg.budget_memory`)."""
+        self._check_path(path)
+        config = getattr(self.tower, "config", self.tower)
+        side = getattr(config, "image_size", None)
+        channels = getattr(config, "num_channels", 3)
+        if not isinstance(side, int) or not isinstance(channels, int):
+            return None
+        return channels * side * side * MIN_ELEMENT_BYTES
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The batch tensor of a ``tower(x)`` or ``tower(<name>=x)`` call.

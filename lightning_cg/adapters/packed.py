@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_cg.adapters import join_rows
 from lightning_cg.adapters.packed_inputs import PackedInputs, read_packed_call, select_packed_items
+from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 LOCAL_PATH = "local"
@@ -163,6 +164,12 @@ class PackedEncoderAdapter:
         if path == LOCAL_PATH:
             return self.min_token_budget, self.max_token_budget
         return self._view_tokens, max(self._view_tokens, self.max_token_budget)
+
+    def min_bytes_per_token(self, path: str) -> int:
+        """Bytes one token of a graph's budget needs at least: its ``merge**2`` rows of
+        the static ``pixel_patches`` buffer (see :mod:`lightning_cg.budget_memory`)."""
+        self._check_path(path)
+        return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> PackedInputs:
         """Check a ``tower(pixel_patches, grid_thw)`` call and read its grid on the host.

@@ -51,6 +51,7 @@ from lightning_cg.adapters.qwen_metadata import (
     window_side,
 )
 from lightning_cg.adapters.row_outputs import RowLayout
+from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 #: Vision towers this adapter serves, by class name, and what each computes.
@@ -184,6 +185,12 @@ class QwenVisionAdapter:
         """``(min_token_budget, max_token_budget)``."""
         self._check_path(path)
         return self.min_token_budget, self.max_token_budget
+
+    def min_bytes_per_token(self, path: str) -> int:
+        """Bytes one token of a graph's budget needs at least: its ``merge**2`` rows of
+        the static ``hidden_states`` buffer (see :mod:`lightning_cg.budget_memory`)."""
+        self._check_path(path)
+        return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> QwenInputs:
         """Check a ``visual(hidden_states, grid_thw, **options)`` call; read its grid on the host.
