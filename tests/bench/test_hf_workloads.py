@@ -31,14 +31,6 @@ TINY_CPU = [
 ]
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_transformers_towers_run_end_to_end(tmp_path, one_thread, bench_config):
     output = tmp_path / "bench.json"
     overrides = [

@@ -6,7 +6,6 @@ eager and the manager's CPU path run.
 
 import json
 
-import pytest
 import torch
 
 from bench.main import main
@@ -41,15 +40,6 @@ CPU_RUN = [
     "stream.warmup=0",
     "stream.repeats=1",
 ]
-
-
-@pytest.fixture
-def one_thread():
-    # Tiny towers on a shared CPU: thread hand-offs would cost more than the math.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_quick_tiny_run_on_cpu(tmp_path, one_thread, bench_config):

@@ -31,14 +31,6 @@ pytest.importorskip("transformers")
 FIRST_USE = {"capture": "first_use"}
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_every_transformers_workload_runs_through_the_trainer(tmp_path, one_thread):
     settings = BenchSettings(
         workloads=[Workload.parse(name) for name in HF_WORKLOADS],
