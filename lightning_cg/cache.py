@@ -10,7 +10,7 @@ budget share their input buffers.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,12 +30,24 @@ class GraphSet:
 
 @dataclass(frozen=True)
 class GraphKey:
-    """Which graph serves a sub-batch on one path."""
+    """Which graph serves a sub-batch on one path.
+
+    A key is looked up several times per call (cache, capture policy), so its
+    hash is computed once.
+    """
 
     graph_set: GraphSet
     path: str
     mode: GraphMode
     descriptor: BatchDescriptor
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.graph_set, self.path, self.mode, self.descriptor)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass

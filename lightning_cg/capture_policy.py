@@ -17,9 +17,13 @@ real tokens: its eager time is the measured eager time per real token times
 the mean real tokens of its sightings, and its graph time, until measured, is
 the eager time of its whole budget times the graph's cost per padded token
 relative to eager's per real token, measured on the nearest-sized captured key
-of its path (:data:`PRIOR_GRAPH_RATIO` before any): a key whose sub-batches
-are half padding is expected to gain nothing unless graphs of its path run at
-less than half eager's cost per token. Before anything is measured,
+of its path. Before any graph of the path is measured, the path's eager calls
+of different sizes tell launch cost from GPU work: fitted as ``fixed + per_token
+x tokens``, a graph is expected to cost ``per_token x budget`` (it removes the
+launches, not the work, and computes its padding); with too few sizes to fit,
+:data:`PRIOR_GRAPH_RATIO` per padded token stands in. So a key whose
+sub-batches fill the GPU and are partly padding is not captured, while one
+whose eager time is mostly launches is. Before anything is measured,
 :data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
 
 After capture a key's replays are timed too; a graph measured slower than the
@@ -41,6 +45,8 @@ PRIOR_GRAPH_RATIO = 0.5
 PRIOR_CAPTURE_RATIO = 5.0
 #: Timings kept per key and kind; the median of them is used.
 SAMPLES = 3
+#: Eager calls per path kept for the fit of fixed and per-token cost.
+PATH_SAMPLES = 32
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
@@ -98,6 +104,7 @@ class CapturePolicy:
         self.drop_slower_graphs = drop_slower_graphs
         self._keys: dict[Hashable, _KeyRecord] = {}
         self._path_sub_batches: dict[str, int] = {}
+        self._path_eager_calls: dict[str, list[tuple[int, float]]] = {}
         self._calls = 0
         self._run_calls = 0
         self._expected_calls: int | None = None
@@ -135,6 +142,13 @@ class CapturePolicy:
     def record_eager(self, key: Hashable, seconds: float, tokens: int) -> None:
         """An eager run of a sub-batch of ``key`` with ``tokens`` real tokens took ``seconds``."""
         self._keys[key].eager_seconds_per_token.append(seconds / max(tokens, 1))
+
+    def record_eager_call(self, path: str, tokens: int, seconds: float) -> None:
+        """An eager run of ``path`` on ``tokens`` real tokens (one or more
+        sub-batches run together) took ``seconds``."""
+        samples = self._path_eager_calls.setdefault(path, [])
+        if len(samples) < PATH_SAMPLES:
+            samples.append((tokens, seconds))
 
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
@@ -207,8 +221,30 @@ class CapturePolicy:
             for other in self._keys.values()
             if other.path == record.path and other.graph is not None and other.eager
         ]
-        full_budget_ratio = min(measured)[1] if measured else PRIOR_GRAPH_RATIO
-        return full_budget_ratio * record.padding_factor
+        if measured:
+            return min(measured)[1] * record.padding_factor
+        line = self._eager_line(record.path)
+        if line is not None and record.eager:
+            _, per_token = line
+            return per_token * record.size / record.eager
+        return PRIOR_GRAPH_RATIO * record.padding_factor
+
+    def _eager_line(self, path: str) -> tuple[float, float] | None:
+        """``(fixed, per_token)`` seconds of the path's eager calls, fitted by least
+        squares; None with fewer than two sizes or a slope the noise made negative."""
+        samples = self._path_eager_calls.get(path, [])
+        if len({tokens for tokens, _ in samples}) < 2:
+            return None
+        mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
+        mean_seconds = statistics.fmean(seconds for _, seconds in samples)
+        spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
+        per_token = (
+            sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
+            / spread
+        )
+        if per_token <= 0:
+            return None
+        return max(mean_seconds - per_token * mean_tokens, 0.0), per_token
 
     def _capture_ratio(self, path: str) -> float:
         ratios = [

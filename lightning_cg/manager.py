@@ -311,10 +311,15 @@ class EncoderGraphManager:
             self._run_eagerly(call, sub_batch)
             return
         total = sum(route.tokens for route in routes) or 1
+        path_tokens = {path: sum(sub_batch.tokens(path)) for path in self.paths}
 
         def record(seconds: float) -> None:
             for route in timed:
                 self.policy.record_eager(route.key, seconds * route.tokens / total, route.tokens)
+            # The call's time by path, by tokens as above, for the path's cost line.
+            for path, tokens in path_tokens.items():
+                if tokens:
+                    self.policy.record_eager_call(path, tokens, seconds * tokens / total)
 
         with self._timer.timed(record) as timing:
             timing.on_cuda = self._run_eagerly(call, sub_batch)

@@ -33,8 +33,8 @@ def replay(
 ) -> torch.Tensor:
     """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real rows."""
     real = encoder.replay_inputs(path, inputs)
-    missing = sorted(set(graph.buffers) - set(real))
-    if missing:
+    if not graph.buffers.keys() <= real.keys():
+        missing = sorted(graph.buffers.keys() - real.keys())
         raise RuntimeError(f"replay_inputs for path {path!r} lacks buffer(s) {missing}")
     for name, buffer in graph.buffers.items():
         fill(name, buffer, real[name], padding_rules.get(name, "zero"))
@@ -50,8 +50,9 @@ def fill(name: str, buffer: torch.Tensor, rows: torch.Tensor, rule: str) -> None
             f"buffer {name!r} holds {tuple(buffer.shape)}; replay rows {tuple(rows.shape)} "
             "do not fit (the adapter's capture_inputs and replay_inputs disagree)"
         )
-    from_host = rows.device.type == "cpu" and buffer.device.type != "cpu"
-    if rows.dtype != buffer.dtype or (rows.device != buffer.device and not from_host):
+    # is_cpu/is_cuda: no device objects built on every replay.
+    from_host = rows.is_cpu and not buffer.is_cpu
+    if rows.dtype != buffer.dtype or (not from_host and rows.device != buffer.device):
         raise RuntimeError(
             f"buffer {name!r} is {buffer.dtype} on {buffer.device}; replay rows are "
             f"{rows.dtype} on {rows.device}; the graph signature should have separated them"

@@ -149,6 +149,39 @@ def test_a_key_mostly_padding_is_not_expected_to_gain():
     assert see(policy, "full", eager_s=0.010, size=64, tokens=64) == CAPTURE
 
 
+def path_with_eager_calls(fixed_s: float, per_token_s: float) -> CapturePolicy:
+    """A policy whose path ran eagerly at 64 and 1024 tokens, costing
+    ``fixed_s + per_token_s x tokens``; nothing captured yet."""
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=1000)
+    for tokens in (64, 1024):
+        policy.record_eager_call("local", tokens, fixed_s + per_token_s * tokens)
+    return policy
+
+
+def test_eager_calls_mostly_launches_promise_a_gain_despite_padding():
+    # 10 ms of launches whatever the size: a graph removes them.
+    policy = path_with_eager_calls(fixed_s=0.010, per_token_s=1e-7)
+    assert see(policy, "a", eager_s=0.010, size=1024, tokens=600) == CAPTURE
+    assert policy.estimates("a")["graph_ratio"] == pytest.approx(1e-7 * 1024 / 0.010, rel=0.01)
+
+
+def test_eager_calls_that_fill_the_gpu_promise_no_gain_to_a_padded_graph():
+    # No fixed cost: the graph would do the same work per token, and its padding too.
+    policy = path_with_eager_calls(fixed_s=0.0, per_token_s=1e-5)
+    assert see(policy, "a", eager_s=1e-5 * 600, size=1024, tokens=600) == NO_GAIN
+    assert policy.estimates("a")["graph_ratio"] == pytest.approx(1024 / 600)
+
+
+def test_one_size_of_eager_calls_leaves_the_prior():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=1000)
+    for _ in range(3):
+        policy.record_eager_call("local", 256, 0.010)
+    see(policy, "a", eager_s=0.010, size=256, tokens=256)
+    assert policy.estimates("a")["graph_ratio"] == pytest.approx(PRIOR_GRAPH_RATIO)
+
+
 def test_a_measured_key_informs_others_by_cost_per_padded_token():
     policy = CapturePolicy(min_sightings=1)
     policy.begin_run(expected_calls=100)
