@@ -23,7 +23,9 @@ x tokens``, a graph is expected to cost ``per_token x budget`` (it removes the
 launches, not the work, and computes its padding); with too few sizes to fit,
 :data:`PRIOR_GRAPH_RATIO` per padded token stands in. So a key whose
 sub-batches fill the GPU and are partly padding is not captured, while one
-whose eager time is mostly launches is. Before anything is measured,
+whose eager time is mostly launches is. A path whose keys differ in size
+waits for that fit before its first capture (for at most
+:data:`FIT_PATIENCE` timed eager calls). Before anything is measured,
 :data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
 
 After capture a key's replays are timed too; a graph measured slower than the
@@ -47,6 +49,8 @@ PRIOR_CAPTURE_RATIO = 5.0
 SAMPLES = 3
 #: Eager calls per path kept for the fit of fixed and per-token cost.
 PATH_SAMPLES = 32
+#: Eager calls after which a path whose sizes vary stops waiting for the fit.
+FIT_PATIENCE = 8
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
@@ -175,6 +179,8 @@ class CapturePolicy:
         record = self._keys[key]
         if record.sightings < self.min_sightings or record.eager is None:
             return WAIT
+        if self._awaiting_eager_line(record.path):
+            return WAIT
         gain = record.eager * (1.0 - self._graph_ratio(record))
         if gain <= 0:
             return NO_GAIN
@@ -228,6 +234,19 @@ class CapturePolicy:
             _, per_token = line
             return per_token * record.size / record.eager
         return PRIOR_GRAPH_RATIO * record.padding_factor
+
+    def _awaiting_eager_line(self, path: str) -> bool:
+        """Whether the path's first capture should wait for its eager cost line:
+        its keys differ in size, nothing of it is measured as a graph, the line
+        cannot be fitted yet, and fewer than :data:`FIT_PATIENCE` eager calls are
+        timed (their timings arrive a call late, and the prior would decide)."""
+        records = [record for record in self._keys.values() if record.path == path]
+        if len({record.size for record in records}) < 2:
+            return False
+        if any(record.graph is not None for record in records):
+            return False
+        samples = self._path_eager_calls.get(path, [])
+        return self._eager_line(path) is None and len(samples) < FIT_PATIENCE
 
     def _eager_line(self, path: str) -> tuple[float, float] | None:
         """``(fixed, per_token)`` seconds of the path's eager calls, fitted by least

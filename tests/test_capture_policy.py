@@ -8,6 +8,7 @@ from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.capture_policy import (
     CAPTURE,
+    FIT_PATIENCE,
     NO_GAIN,
     PRIOR_CAPTURE_RATIO,
     PRIOR_GRAPH_RATIO,
@@ -171,6 +172,27 @@ def test_eager_calls_that_fill_the_gpu_promise_no_gain_to_a_padded_graph():
     policy = path_with_eager_calls(fixed_s=0.0, per_token_s=1e-5)
     assert see(policy, "a", eager_s=1e-5 * 600, size=1024, tokens=600) == NO_GAIN
     assert policy.estimates("a")["graph_ratio"] == pytest.approx(1024 / 600)
+
+
+def test_a_path_of_several_sizes_waits_for_its_cost_line_before_the_first_capture():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=1000)
+    policy.record_eager_call("local", 256, 0.010)
+    policy.sighted("large", "local", size=256, tokens=256)
+    # A full key the prior would capture, but the path has two sizes and one eager size.
+    assert see(policy, "small", eager_s=0.005, size=128) == WAIT
+    policy.record_eager_call("local", 128, 0.0099)  # launches, mostly: the line says capture
+    assert see(policy, "small") == CAPTURE
+
+
+def test_the_wait_for_the_cost_line_ends_after_enough_eager_calls():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=1000)
+    see(policy, "small", eager_s=0.005, size=128)
+    for _ in range(FIT_PATIENCE):
+        assert see(policy, "large", eager_s=0.010, size=256) == WAIT
+        policy.record_eager_call("local", 256, 0.010)  # one size only: no line
+    assert see(policy, "large") == CAPTURE
 
 
 def test_one_size_of_eager_calls_leaves_the_prior():
