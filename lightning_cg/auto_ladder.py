@@ -3,7 +3,7 @@
 A path whose budget choice has ``ladder: auto`` runs a pow2 ladder until its
 sample is complete; the first ``auto_sample_batches`` batches run eagerly while
 their item sizes are recorded, then each auto path gets the ``k`` budgets that
-pad the sample's sub-batches least (:func:`~lightning_cg.budgets.choose_budgets`),
+pad the sample's sub-batches least (:func:`~lightning_cg.learned_budgets.choose_budgets`),
 and, unless the user fixed it, the item cap drops to what the sample needs.
 """
 
@@ -13,9 +13,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_cg.budgets import AUTO_LADDER, choose_budgets, expected_padding
+from lightning_cg.budgets import AUTO_LADDER
 from lightning_cg.config import BudgetConfig
 from lightning_cg.encoder import ItemSpec
+from lightning_cg.learned_budgets import choose_budgets, expected_padding
 from lightning_cg.packing import pack_items
 from lightning_cg.plan import PathPlan, cap_items, next_pow2
 

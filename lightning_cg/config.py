@@ -63,7 +63,7 @@ class BudgetConfig:
         budgets: an explicit ladder; overrides min/max.
         ladder: ``pow2`` (double from min), ``geometric`` (multiply by ratio) or
             ``auto`` (learned from the item sizes of the first batches; see
-            :func:`~lightning_cg.budgets.choose_budgets`).
+            :func:`~lightning_cg.learned_budgets.choose_budgets`).
         ratio: growth of the geometric ladder.
         align: geometric budgets are rounded up to a multiple of this, auto
             budgets to a multiple of ``gcd(align, min_budget)``.

@@ -6,7 +6,7 @@ import pytest
 import torch
 from toy_encoder import ToyEncoder, ToyTower
 
-from lightning_cg.budgets import choose_budgets, expected_padding
+from lightning_cg.learned_budgets import choose_budgets, expected_padding
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.replay import relative_error
 

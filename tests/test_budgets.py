@@ -6,13 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_cg.budgets import (
+from lightning_cg.budgets import generate_budgets, resolve_budgets, smallest_fitting_budget
+from lightning_cg.learned_budgets import (
     choose_budgets,
     expected_padding,
-    generate_budgets,
     learn_budgets,
-    resolve_budgets,
-    smallest_fitting_budget,
     sub_batch_sums,
 )
 from lightning_cg.packing import pack_items
