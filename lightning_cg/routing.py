@@ -54,6 +54,7 @@ class SubBatch:
         self.specs = specs
         self._encoder = encoder
         self._source = source
+        self._source_size = source_size
         self._positions = positions
         # Every item of the source in order is the source itself: no gather (a copy).
         self._is_source = positions == list(range(source_size))
@@ -70,12 +71,13 @@ class SubBatch:
         return [spec.path_tokens.get(path, 0) for spec in self.specs]
 
     def part(self, positions: tuple[int, ...]) -> SubBatch:
-        """The items at ``positions`` of this sub-batch, as a sub-batch of their own."""
+        """The items at ``positions`` of this sub-batch, as a sub-batch of their own,
+        selected from this sub-batch's source (one gather, not two)."""
         return SubBatch(
             self._encoder,
-            self.inputs,
-            len(self.specs),
-            list(positions),
+            self._source,
+            self._source_size,
+            [self._positions[i] for i in positions],
             [self.indices[i] for i in positions],
             [self.specs[i] for i in positions],
         )

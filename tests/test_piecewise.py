@@ -47,6 +47,8 @@ def tiny_vit(device: str = "cpu") -> VisionTransformer:
     vit = VisionTransformer(
         image_size=32, patch_size=4, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128
     )
+    # torchvision zeroes the head: every output would be 0, whatever the graph did.
+    torch.nn.init.normal_(vit.heads.head.weight)
     return vit.to(device).eval()
 
 

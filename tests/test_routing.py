@@ -84,10 +84,10 @@ def test_a_part_selects_from_the_sub_batch_and_keeps_call_positions():
     torch.testing.assert_close(
         part.inputs.tokens, torch.cat([item_tokens(inputs, 4), item_tokens(inputs, 3)])
     )
-    # Positions relative to the sub-batch: its own inputs are the part's source.
-    assert encoder.gathered == [[3, 1, 4], [2, 0]]
-    assert sub_batch.part((0, 1, 2)).inputs is sub_batch.inputs
-    assert len(encoder.gathered) == 2
+    # Positions relative to the sub-batch, gathered once from the call's inputs.
+    assert encoder.gathered == [[4, 3]]
+    whole = sub_batch_of(encoder, inputs, [0, 1, 2, 3, 4]).part((0, 1, 2, 3, 4))
+    assert whole.inputs is inputs and len(encoder.gathered) == 1
 
 
 def manager_for(encoder: ToyEncoder, **options) -> EncoderGraphManager:

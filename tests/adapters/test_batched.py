@@ -9,7 +9,7 @@ from lightning_cg.encoder import CaptureSpec, GraphableEncoder
 
 
 def tiny_vit(image_size: int = 16) -> nn.Module:
-    return VisionTransformer(
+    vit = VisionTransformer(
         image_size=image_size,
         patch_size=8,
         num_layers=2,
@@ -17,7 +17,10 @@ def tiny_vit(image_size: int = 16) -> nn.Module:
         hidden_dim=32,
         mlp_dim=64,
         num_classes=10,
-    ).eval()
+    )
+    # torchvision zeroes the head: every output would be 0, whatever the graph did.
+    nn.init.normal_(vit.heads.head.weight)
+    return vit.eval()
 
 
 def tiny_resnet() -> nn.Module:
