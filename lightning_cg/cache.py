@@ -17,7 +17,7 @@ import torch
 
 from lightning_cg.dispatcher import BatchDescriptor, GraphMode
 from lightning_cg.encoder import CaptureSpec
-from lightning_cg.piecewise import PiecewiseGraph
+from lightning_cg.piecewise_graph import PiecewiseGraph
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,8 @@ from lightning_cg.faults import (
     diagnose,
     free_device_memory,
 )
-from lightning_cg.piecewise import (
-    PiecewiseGraph,
-    PiecewiseSplit,
-    PiecewiseUnsupported,
-    split_graph_forward,
-)
+from lightning_cg.piecewise import PiecewiseSplit, PiecewiseUnsupported, split_graph_forward
+from lightning_cg.piecewise_graph import PiecewiseGraph
 from lightning_cg.plan import PathPlan
 from lightning_cg.replay import graph_context
 from lightning_cg.stats import GraphStats

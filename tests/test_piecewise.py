@@ -15,12 +15,8 @@ from lightning_cg.callback import CUDAGraphCallback
 from lightning_cg.encoder import CaptureSpec
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
-from lightning_cg.piecewise import (
-    PiecewiseGraph,
-    PiecewiseUnsupported,
-    check_splitting_ops,
-    split_graph_forward,
-)
+from lightning_cg.piecewise import PiecewiseUnsupported, check_splitting_ops, split_graph_forward
+from lightning_cg.piecewise_graph import PiecewiseGraph
 from lightning_cg.replay import relative_error
 
 PATCH = 4
