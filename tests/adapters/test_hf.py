@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 transformers = pytest.importorskip("transformers")
 
 from lightning.pytorch import LightningModule  # noqa: E402
+from output_checks import assert_same_output as same_output  # noqa: E402
 from test_callback import trainer  # noqa: E402
 
 from lightning_cg.adapters import adapter_for  # noqa: E402
@@ -59,17 +60,9 @@ def eager(tower: nn.Module, *args, **kwargs):
 
 
 def assert_same_output(actual, expected, tolerance: float = 1e-5) -> None:
-    """Same type, same fields (None fields None), same nesting, equal tensors."""
-    assert type(actual) is type(expected)
-    actual_leaves, actual_spec = tree_flatten(actual)
-    expected_leaves, expected_spec = tree_flatten(expected)
-    assert actual_spec == expected_spec
-    for got, want in zip(actual_leaves, expected_leaves, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.dtype == want.dtype and got.is_contiguous()
-        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    """Same type, fields, nesting and values (:mod:`output_checks`), every tensor contiguous."""
+    same_output(actual, expected, tolerance)
+    assert all(leaf.is_contiguous() for leaf in tree_flatten(actual)[0] if leaf is not None)
 
 
 @pytest.mark.parametrize("kind", KINDS)

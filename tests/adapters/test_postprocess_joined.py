@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from output_checks import assert_same_output
 from test_batched import tiny_vit
 from test_piecewise import packed_call, packed_tower
-from torch.utils._pytree import tree_flatten
 
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.adapters.packed import PackedEncoderAdapter
@@ -29,20 +29,6 @@ def rows_per_path_and_item(adapter, inputs):
             if count:
                 item[path] = rows.clone()
     return path_rows, per_item
-
-
-def assert_same_output(actual, expected, tolerance: float = 0.0) -> None:
-    """Same type, same fields and nesting, equal tensors."""
-    assert type(actual) is type(expected)
-    actual_leaves, actual_spec = tree_flatten(actual)
-    expected_leaves, expected_spec = tree_flatten(expected)
-    assert actual_spec == expected_spec
-    for got, want in zip(actual_leaves, expected_leaves, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.shape == want.shape and got.dtype == want.dtype
-        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def check_joined_equals_per_item_and_tower(adapter, inputs, expected) -> None:
