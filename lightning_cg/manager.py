@@ -266,9 +266,7 @@ class EncoderGraphManager:
         return call.outputs
 
     def _sub_batch(self, inputs: Any, indices: list[int], specs: list[ItemSpec]) -> SubBatch:
-        return SubBatch(
-            self.encoder, inputs, len(specs), indices, indices, [specs[i] for i in indices]
-        )
+        return SubBatch(self.encoder, inputs, len(specs), indices, [specs[i] for i in indices])
 
     def _sampling(self, specs: list[ItemSpec]) -> bool:
         """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""

@@ -33,10 +33,8 @@ class SubBatch:
 
     Args:
         encoder: the adapter, whose ``select_items`` gathers the inputs.
-        source: the inputs the items are selected from (the call's, or a
-            larger sub-batch's).
-        source_size: how many items ``source`` holds.
-        positions: the items' positions in ``source``.
+        call_inputs: the inputs of the whole call.
+        call_size: how many items the call holds.
         indices: the items' positions in the call.
         specs: the items' specs.
     """
@@ -44,27 +42,24 @@ class SubBatch:
     def __init__(
         self,
         encoder: GraphableEncoder,
-        source: Any,
-        source_size: int,
-        positions: list[int],
+        call_inputs: Any,
+        call_size: int,
         indices: list[int],
         specs: list[ItemSpec],
     ) -> None:
         self.indices = indices
         self.specs = specs
         self._encoder = encoder
-        self._source = source
-        self._source_size = source_size
-        self._positions = positions
-        # Every item of the source in order is the source itself: no gather (a copy).
-        self._is_source = positions == list(range(source_size))
+        self._call_inputs = call_inputs
+        self._call_size = call_size
 
     @cached_property
     def inputs(self) -> Any:
         """The adapter's inputs of these items, in sub-batch order."""
-        if self._is_source:
-            return self._source
-        return self._encoder.select_items(self._source, self._positions)
+        # Every item of the call in order is the call itself: no gather (a copy).
+        if self.indices == list(range(self._call_size)):
+            return self._call_inputs
+        return self._encoder.select_items(self._call_inputs, self.indices)
 
     def tokens(self, path: str) -> list[int]:
         """Each item's tokens on ``path``."""
@@ -72,12 +67,11 @@ class SubBatch:
 
     def part(self, positions: tuple[int, ...]) -> SubBatch:
         """The items at ``positions`` of this sub-batch, as a sub-batch of their own,
-        selected from this sub-batch's source (one gather, not two)."""
+        selected from the call's inputs (one gather, not two)."""
         return SubBatch(
             self._encoder,
-            self._source,
-            self._source_size,
-            [self._positions[i] for i in positions],
+            self._call_inputs,
+            self._call_size,
             [self.indices[i] for i in positions],
             [self.specs[i] for i in positions],
         )

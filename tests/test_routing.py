@@ -30,9 +30,7 @@ def toy_call(lengths: list[int], seed: int = 0) -> ToyInputs:
 
 def sub_batch_of(encoder: ToyEncoder, inputs: ToyInputs, positions: list[int]) -> SubBatch:
     specs = encoder.item_specs(inputs)
-    return SubBatch(
-        encoder, inputs, len(specs), positions, positions, [specs[i] for i in positions]
-    )
+    return SubBatch(encoder, inputs, len(specs), positions, [specs[i] for i in positions])
 
 
 def item_tokens(inputs: ToyInputs, index: int) -> torch.Tensor:
