@@ -66,14 +66,6 @@ class CapturedGraph:
     pieces: PiecewiseGraph | None = None
     verified: bool = False
 
-    def keys(self) -> list[GraphKey]:
-        """Every key captured."""
-        return list(self._graphs)
-
-    def graphs(self) -> list[CapturedGraph]:
-        """Every graph captured."""
-        return list(self._graphs.values())
-
     @property
     def num_cuda_graphs(self) -> int:
         """CUDA graphs this key holds: one, one per piece, or none without CUDA."""
