@@ -23,9 +23,9 @@ x tokens``, a graph is expected to cost ``per_token x budget`` (it removes the
 launches, not the work, and computes its padding); with too few sizes to fit,
 :data:`PRIOR_GRAPH_RATIO` per padded token stands in. So a key whose
 sub-batches fill the GPU and are partly padding is not captured, while one
-whose eager time is mostly launches is. A path whose keys differ in size
-waits for that fit before its first capture (for at most
-:data:`FIT_PATIENCE` timed eager calls). Before anything is measured,
+whose eager time is mostly launches is. A path whose sub-batches differ in
+real tokens waits for that fit before its first capture (for at most
+:data:`FIT_PATIENCE` timed eager calls), even while they all need one key. Before anything is measured,
 :data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
 
 After capture a key's replays are timed too; a graph measured slower than the
@@ -108,6 +108,8 @@ class CapturePolicy:
         self.drop_slower_graphs = drop_slower_graphs
         self._keys: dict[Hashable, _KeyRecord] = {}
         self._path_sub_batches: dict[str, int] = {}
+        # Up to two real-token counts per path: two tell that its sizes vary.
+        self._path_token_counts: dict[str, set[int]] = {}
         self._path_eager_calls: dict[str, list[tuple[int, float]]] = {}
         self._calls = 0
         self._run_calls = 0
@@ -132,6 +134,9 @@ class CapturePolicy:
         record.sightings += 1
         record.real_tokens += tokens
         self._path_sub_batches[path] = self._path_sub_batches.get(path, 0) + 1
+        counts = self._path_token_counts.setdefault(path, set())
+        if len(counts) < 2:
+            counts.add(tokens)
 
     def wants_eager_timing(self, key: Hashable) -> bool:
         """Whether an eager run of ``key`` should be timed."""
@@ -237,12 +242,13 @@ class CapturePolicy:
 
     def _awaiting_eager_line(self, path: str) -> bool:
         """Whether the path's first capture should wait for its eager cost line:
-        its keys differ in size, nothing of it is measured as a graph, the line
+        its sub-batches differ in real tokens (a line can be fitted; keys of one
+        budget differ too), nothing of it is measured as a graph, the line
         cannot be fitted yet, and fewer than :data:`FIT_PATIENCE` eager calls are
         timed (their timings arrive a call late, and the prior would decide)."""
-        records = [record for record in self._keys.values() if record.path == path]
-        if len({record.size for record in records}) < 2:
+        if len(self._path_token_counts.get(path, ())) < 2:
             return False
+        records = [record for record in self._keys.values() if record.path == path]
         if any(record.graph is not None for record in records):
             return False
         samples = self._path_eager_calls.get(path, [])

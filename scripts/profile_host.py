@@ -13,8 +13,8 @@ pinned or device allocations (``cudaHostAlloc``, ``cudaMalloc``) and graph
 launches show up by name.
 
 ``+kernels=true`` (CUDA only) also records GPU work and prints, for lightning-cg
-and for the method named by ``+against`` (``exact``, the default, or
-``compile``: torch.compile reduce-overhead) on the same batches, per batch:
+and for the method named by ``+against`` (``exact``, the default,
+``compile``: torch.compile reduce-overhead, or ``eager``) on the same batches, per batch:
 the wall time, the time the GPU is busy and idle, the number of kernels,
 copies and memsets; then the kernels with the most device time. Idle GPU time
 is host latency the GPU waits for; busy time is the GPU work itself.
@@ -35,7 +35,13 @@ from torch.profiler import ProfilerActivity, profile
 # bench/ is never installed, and scripts/bench.py would shadow it: the repo root comes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.methods import Runner, compile_method, exact_method, graph_method  # noqa: E402
+from bench.methods import (  # noqa: E402
+    Runner,
+    compile_method,
+    eager_method,
+    exact_method,
+    graph_method,
+)
 from bench.settings import BenchSettings, resolve_settings  # noqa: E402
 from bench.workloads import (  # noqa: E402
     STREAM,
@@ -47,7 +53,7 @@ from bench.workloads import (  # noqa: E402
 from lightning_cg.measured import time_ms  # noqa: E402
 
 ROWS = 25
-AGAINST = {"exact": exact_method, "compile": compile_method}
+AGAINST = {"exact": exact_method, "compile": compile_method, "eager": eager_method}
 
 
 def profile_pass(

@@ -147,6 +147,8 @@ def test_a_key_mostly_padding_is_not_expected_to_gain():
     # Half of the budget is padding: at the prior cost per padded token (half
     # of eager's per real token) the graph costs what eager does.
     assert see(policy, "half_padding", eager_s=0.010, size=64, tokens=32) == NO_GAIN
+    policy = CapturePolicy(min_sightings=1)  # one token count: no wait for a cost line
+    policy.begin_run(expected_calls=1000)
     assert see(policy, "full", eager_s=0.010, size=64, tokens=64) == CAPTURE
 
 
@@ -183,6 +185,24 @@ def test_a_path_of_several_sizes_waits_for_its_cost_line_before_the_first_captur
     assert see(policy, "small", eager_s=0.005, size=128) == WAIT
     policy.record_eager_call("local", 128, 0.0099)  # launches, mostly: the line says capture
     assert see(policy, "small") == CAPTURE
+
+
+def test_sub_batches_of_one_budget_but_varied_tokens_wait_for_the_cost_line():
+    # Mixed batches that all fit one budget: one key, so the wait must not hang
+    # on keys of several sizes; the prior alone would capture a padded graph.
+    policy = CapturePolicy(min_sightings=2)
+    policy.begin_run(expected_calls=1000)
+    assert see(policy, "k", eager_s=0.015, size=4096, tokens=3000) == WAIT  # one sighting
+    policy.record_eager_call("local", 3000, 0.015)
+    assert see(policy, "k", size=4096, tokens=3500) == WAIT  # the prior would capture
+    policy.record_eager_call("local", 3500, 0.0175)  # all GPU work: the line says no
+    assert see(policy, "k", size=4096, tokens=3200) == NO_GAIN
+
+
+def test_sub_batches_of_equal_tokens_do_not_wait_for_a_line_that_cannot_come():
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=1000)
+    assert see(policy, "k", eager_s=0.010, size=256, tokens=256) == CAPTURE
 
 
 def test_the_wait_for_the_cost_line_ends_after_enough_eager_calls():
