@@ -25,8 +25,8 @@ launches, not the work, and computes its padding); with too few sizes to fit,
 sub-batches fill the GPU and are partly padding is not captured, while one
 whose eager time is mostly launches is. A path whose sub-batches differ in
 real tokens waits for that fit before its first capture (for at most
-:data:`FIT_PATIENCE` timed eager calls), even while they all need one key. Before anything is measured,
-:data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
+:data:`FIT_PATIENCE` timed eager calls), even while they all need one key.
+Before anything is measured, :data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
 
 After capture a key's replays are timed too; a graph measured slower than the
 key's eager runs sends the key back to eager. Timings come from the caller
@@ -111,6 +111,9 @@ class CapturePolicy:
         # Up to two real-token counts per path: two tell that its sizes vary.
         self._path_token_counts: dict[str, set[int]] = {}
         self._path_eager_calls: dict[str, list[tuple[int, float]]] = {}
+        # Each path's fitted line and the sample count it was fitted on: decide
+        # runs on every eager call, the samples change on few of them.
+        self._fitted_lines: dict[str, tuple[int, tuple[float, float] | None]] = {}
         self._calls = 0
         self._run_calls = 0
         self._expected_calls: int | None = None
@@ -258,18 +261,11 @@ class CapturePolicy:
         """``(fixed, per_token)`` seconds of the path's eager calls, fitted by least
         squares; None with fewer than two sizes or a slope the noise made negative."""
         samples = self._path_eager_calls.get(path, [])
-        if len({tokens for tokens, _ in samples}) < 2:
-            return None
-        mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
-        mean_seconds = statistics.fmean(seconds for _, seconds in samples)
-        spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
-        per_token = (
-            sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
-            / spread
-        )
-        if per_token <= 0:
-            return None
-        return max(mean_seconds - per_token * mean_tokens, 0.0), per_token
+        fitted = self._fitted_lines.get(path)
+        if fitted is None or fitted[0] != len(samples):
+            fitted = len(samples), _fit_line(samples)
+            self._fitted_lines[path] = fitted
+        return fitted[1]
 
     def _capture_ratio(self, path: str) -> float:
         ratios = [
@@ -278,3 +274,20 @@ class CapturePolicy:
             if other.path == path and other.capture_seconds is not None and other.eager
         ]
         return statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO
+
+
+def _fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)`` samples; None
+    with fewer than two sizes or a negative slope."""
+    if len({tokens for tokens, _ in samples}) < 2:
+        return None
+    mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
+    mean_seconds = statistics.fmean(seconds for _, seconds in samples)
+    spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
+    per_token = (
+        sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
+        / spread
+    )
+    if per_token <= 0:
+        return None
+    return max(mean_seconds - per_token * mean_tokens, 0.0), per_token
