@@ -225,6 +225,11 @@ def pack_items(
         [[1, 2], [0]]
     """
     ladders = _check_pack_args(max_items, max_budgets, strategy, budgets)
+    if ladders is None and item_tokens and all(t == item_tokens[0] for t in item_tokens):
+        # Same-size items (every batch of a batch-first tower): next_fit cuts
+        # their index order into equal runs, so skip the sort and the scan.
+        _check_items(item_tokens[:1], max_budgets)
+        return _equal_runs(len(item_tokens), item_tokens[0], max_items, max_budgets)
     _check_items(item_tokens, max_budgets)
     # Stable sort: ties keep index order, so packing is deterministic.
     order = sorted(range(len(item_tokens)), key=lambda i: sum(item_tokens[i].values()))
@@ -239,3 +244,16 @@ def pack_items(
     else:
         sub_batches = _min_padding(fitting, item_tokens, max_items, max_budgets, ladders)
     return sub_batches + [[i] for i in order if i in oversize]
+
+
+def _equal_runs(
+    count: int, tokens: Mapping[str, int], max_items: int, max_budgets: Mapping[str, int]
+) -> list[list[int]]:
+    """What :func:`_next_fit` gives ``count`` items of ``tokens`` each, in index order."""
+    if any(tokens.get(path, 0) > cap for path, cap in max_budgets.items()):
+        return [[i] for i in range(count)]  # oversize: one per sub-batch
+    run = min(
+        [max_items]
+        + [cap // tokens[path] for path, cap in max_budgets.items() if tokens.get(path, 0)]
+    )
+    return [list(range(start, min(start + run, count))) for start in range(0, count, run)]

@@ -227,3 +227,27 @@ def test_errors_name_the_argument(kwargs, match):
 def test_padded_tokens_rejects_items_on_unknown_paths():
     with pytest.raises(ValueError, match="path 'q'"):
         padded_tokens([[0]], [{"q": 3}], {"p": [8]})
+
+
+@st.composite
+def equal_item_problems(draw):
+    """A batch of one item size repeated (a batch-first tower's batches)."""
+    items, max_items, caps, ladders = draw(problems(max_size=1))
+    item = items[0] if items else {}
+    return [dict(item) for _ in range(draw(st.integers(1, 40)))], max_items, caps, ladders
+
+
+@given(problem=equal_item_problems())
+def test_next_fit_of_equal_items_keeps_every_rule(problem):
+    items, max_items, caps, _ = problem
+    sub_batches = pack(problem, "next_fit")
+    assert [i for sub_batch in sub_batches for i in sub_batch] == list(range(len(items)))
+    if is_oversize(items[0], caps):
+        assert all(len(sub_batch) == 1 for sub_batch in sub_batches)
+        return
+    for sub_batch in sub_batches:
+        assert len(sub_batch) <= max_items
+        assert all(total <= caps[path] for path, total in sums(sub_batch, items).items())
+    for current, following in zip(sub_batches, sub_batches[1:], strict=False):
+        totals = sums(current + following[:1], items)
+        assert len(current) == max_items or any(totals[p] > cap for p, cap in caps.items())
