@@ -367,10 +367,14 @@ class EncoderGraphManager:
         return rows
 
     def _eager_forward(self, path: str, inputs: Any, inference_mode: bool = True) -> torch.Tensor:
-        """The path eagerly, in the caller's inference mode (it launches faster than
-        plain no_grad)."""
-        with torch.inference_mode(inference_mode and not torch.is_grad_enabled()):
-            return self.encoder.eager_forward(path, inputs)
+        """The path eagerly, in inference mode if asked and the caller is without
+        grad (it launches faster than plain no_grad), else in the caller's mode."""
+        # Never inference_mode(False): entering it turns grad mode on, so a caller
+        # in no_grad would build autograd graphs (host time, saved activations).
+        if inference_mode and not torch.is_grad_enabled():
+            with torch.inference_mode():
+                return self.encoder.eager_forward(path, inputs)
+        return self.encoder.eager_forward(path, inputs)
 
     def _count_compile_seconds(self, seconds: float) -> None:
         self.stats.compile_seconds += seconds

@@ -564,3 +564,22 @@ def test_budgets_set_the_budget_a_sub_batch_pads_to(budgets, padded):
     with torch.no_grad():
         assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
     assert (manager.stats.hits, manager.stats.padded_tokens) == (1, padded)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_eager_runs_keep_the_callers_no_grad(mode):
+    # A Trainer's validation may run under no_grad rather than inference mode:
+    # eager sub-batches must not turn grad back on (autograd graphs, saved
+    # activations) nor hand back inference tensors the caller cannot use later.
+    tower = ToyTower().eval()
+    grad_in_forward = []
+    tower.embed.register_forward_pre_hook(
+        lambda module, args: grad_in_forward.append(torch.is_grad_enabled())
+    )
+    manager = manager_for(tower, mode=mode, budgets=BudgetConfig(budgets=[16]))
+    rng = random.Random(0)
+    with torch.no_grad():
+        outputs = [run(manager, *make_batch(rng, lengths)) for lengths in ([70], [5, 7], [3])]
+    assert grad_in_forward and not any(grad_in_forward)
+    for output in outputs:
+        assert not output.requires_grad and not output.is_inference()
