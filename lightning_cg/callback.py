@@ -98,6 +98,9 @@ class CUDAGraphCallback(Callback):
         min_sightings: sightings of a key before ``paid_back`` may capture it.
         drop_slower_graphs: send a key back to eager when its graph is measured
             slower than its eager runs.
+        cast_weights_per_run: under autocast (``bf16-mixed``), graphs read
+            low-precision copies of ``Linear`` and ``Conv`` weights made at each
+            run's start instead of casting them on every replay.
 
     Example::
 
@@ -127,6 +130,7 @@ class CUDAGraphCallback(Callback):
         capture: str = "paid_back",
         min_sightings: int = 2,
         drop_slower_graphs: bool = True,
+        cast_weights_per_run: bool = True,
     ) -> None:
         if not isinstance(module, str) or not all(
             part.isidentifier() for part in module.split(".")
@@ -165,6 +169,7 @@ class CUDAGraphCallback(Callback):
             capture=capture,
             min_sightings=min_sightings,
             drop_slower_graphs=drop_slower_graphs,
+            cast_weights_per_run=cast_weights_per_run,
         )
         self.mode = self.config.mode
         self.stages = tuple(stages)

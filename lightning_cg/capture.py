@@ -8,12 +8,16 @@ the larger ones of its path and retries; a tower a graph cannot hold (a host
 sync, a CPU op) turns its path eager; a tower PIECEWISE cannot split falls
 back by ``piecewise_fallback``; any other error raises, or with
 ``capture_errors="eager"`` turns every path eager. Each warns once with the
-cause and the fix.
+cause and the fix. Under autocast a FULL graph is captured reading
+low-precision weight copies (:mod:`lightning_cg.weight_casts`) when a warm-up
+with them agrees with one without.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +42,9 @@ from lightning_cg.piecewise_graph import PiecewiseGraph
 from lightning_cg.plan import PathPlan
 from lightning_cg.replay import graph_context
 from lightning_cg.stats import GraphStats
+from lightning_cg.weight_casts import WeightCasts
 
+logger = logging.getLogger(__name__)
 ProgressFn = Callable[[int, int, CaptureSpec], None]
 #: The mode a path falls back to when its tower cannot be split, by fallback and mode.
 _FALLBACK_MODES = {
@@ -48,6 +54,10 @@ _FALLBACK_MODES = {
     },
     "full": {GraphMode.PIECEWISE: GraphMode.FULL, GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL},
 }
+#: Largest relative difference between warm-ups with and without the weight
+#: copies that still lets a graph read them: the casts are the same, so the
+#: outputs agree to the bit unless the tower uses a weight outside autocast.
+CAST_TOLERANCE = 1e-3
 
 
 class GraphCapturer:
@@ -61,6 +71,8 @@ class GraphCapturer:
         cache: where captured graphs go.
         stats: counts graphs and capture seconds.
         progress: called after each capture as ``progress(done, total, spec)``.
+        weight_casts: low-precision weight copies FULL graphs read under
+            autocast (None: every replay casts).
     """
 
     def __init__(
@@ -71,8 +83,11 @@ class GraphCapturer:
         cache: GraphCache,
         stats: GraphStats,
         progress: ProgressFn | None = None,
+        weight_casts: WeightCasts | None = None,
     ) -> None:
         self.encoder = encoder
+        self.weight_casts = weight_casts
+        self._casts_disagree = False
         self.config = config
         self.plans = plans
         self.cache = cache
@@ -206,13 +221,57 @@ class GraphCapturer:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.encoder.graph_forward(path, buffers)
+            cast_dtype = self._warm_up(path, buffers)
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with capturing(), torch.cuda.graph(cuda_graph, pool=pool):
+        with (
+            self._casts_in(cast_dtype),
+            capturing(),
+            torch.cuda.graph(cuda_graph, pool=pool),
+        ):
             output = self.encoder.graph_forward(path, buffers)
         return cuda_graph, output
+
+    def _warm_up(self, path: str, buffers: dict[str, torch.Tensor]) -> torch.dtype | None:
+        """Two warm-up forwards, the second with the weight copies when they may
+        serve; the autocast dtype to capture with copies, or None if they disagree."""
+        reference = self.encoder.graph_forward(path, buffers)
+        dtype = self._cast_dtype()
+        if dtype is None:
+            self.encoder.graph_forward(path, buffers)
+            return None
+        try:
+            with self._casts_in(dtype):
+                trial = self.encoder.graph_forward(path, buffers)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:  # e.g. a weight read outside autocast
+            return self._refuse_casts(f"the forward with them fails ({error})")
+        if not WeightCasts.agree(trial, reference, CAST_TOLERANCE):
+            return self._refuse_casts("the forward with them differs from autocast's")
+        return dtype
+
+    def _refuse_casts(self, why: str) -> None:
+        self._casts_disagree = True
+        self.weight_casts.clear()  # no graph reads them
+        logger.info(
+            "%s: graphs cast weights on every replay, not once per run: %s",
+            type(self.encoder).__name__,
+            why,
+        )
+
+    def _cast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype weight copies would be made in, if they may serve."""
+        if self.weight_casts is None or self._casts_disagree:
+            return None
+        if not torch.is_autocast_enabled("cuda"):
+            return None
+        return torch.get_autocast_dtype("cuda")
+
+    def _casts_in(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+        if dtype is None or self.weight_casts is None:
+            return contextlib.nullcontext()
+        return self.weight_casts.swapped_in(dtype)
 
     def _split_tower(self, path: str, buffers: dict[str, torch.Tensor]) -> PiecewiseSplit:
         return split_graph_forward(

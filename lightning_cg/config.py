@@ -174,6 +174,11 @@ class GraphConfig:
         min_sightings: sightings of a key before ``paid_back`` may capture it.
         drop_slower_graphs: a key whose replays are measured slower than its
             eager runs goes back to eager.
+        cast_weights_per_run: under autocast, FULL graphs read low-precision
+            copies of the tower's ``Linear`` and ``Conv`` weights, refreshed at
+            each run's start, instead of casting them on every replay
+            (:mod:`lightning_cg.weight_casts`); false: every replay casts, and
+            reads weights changed in the middle of a run.
     """
 
     mode: GraphMode = GraphMode.FULL
@@ -192,6 +197,7 @@ class GraphConfig:
     capture: str = "paid_back"
     min_sightings: int = 2
     drop_slower_graphs: bool = True
+    cast_weights_per_run: bool = True
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -215,7 +221,7 @@ class GraphConfig:
             for count in self.uniform_item_counts:
                 _check_positive_int("uniform_item_counts[]", count)
             set_field(self, "uniform_item_counts", tuple(self.uniform_item_counts))
-        for name in ("verify", "compile", "drop_slower_graphs"):
+        for name in ("verify", "compile", "drop_slower_graphs", "cast_weights_per_run"):
             _check_bool(name, getattr(self, name))
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)

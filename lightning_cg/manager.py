@@ -44,6 +44,7 @@ from lightning_cg.plan import path_budget_choices, plan_paths
 from lightning_cg.replay import autocast_key, check_replay, replay
 from lightning_cg.routing import Route, Router, SubBatch
 from lightning_cg.stats import GraphStats
+from lightning_cg.weight_casts import weight_casts_for
 
 __all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
 
@@ -92,8 +93,11 @@ class EncoderGraphManager:
         choices = path_budget_choices(self.encoder_config, self.config)
         self.paths, max_items = plan_paths(encoder, self.config, choices)
         self.cache = GraphCache()
+        # Not for compiled capture: a copy's dtype would recompile the forward.
+        casts_on = self.config.cast_weights_per_run and not self.config.compile
+        self.weight_casts = weight_casts_for(encoder, casts_on)
         self.capturer = GraphCapturer(
-            encoder, self.config, self.paths, self.cache, self.stats, progress
+            encoder, self.config, self.paths, self.cache, self.stats, progress, self.weight_casts
         )
         self.policy = CapturePolicy(
             first_use=self.config.capture == "first_use",
@@ -150,10 +154,14 @@ class EncoderGraphManager:
         return self.auto_ladder.learned
 
     def begin_run(self, expected_calls: int | None = None) -> None:
-        """Start a run: zero the run counters and tell the capture policy how many
-        calls to expect (None: unknown), which bounds what a capture can repay."""
+        """Start a run: zero the run counters, tell the capture policy how many
+        calls to expect (None: unknown), which bounds what a capture can repay,
+        and bring the weight copies graphs read to the tower's current weights."""
         self.stats.reset_run()
         self.policy.begin_run(expected_calls)
+        if self.weight_casts is not None:
+            # Graphs read the copies: bring them to the weights of this run.
+            self.weight_casts.refresh()
 
     def reset_stats(self) -> None:
         """Zero the run counters; graph count, pool size and capture totals stay."""
@@ -170,6 +178,8 @@ class EncoderGraphManager:
         not tried again, and paths that cannot be captured keep running eagerly.
         """
         self.cache.clear()
+        if self.weight_casts is not None:
+            self.weight_casts.clear()
         self.measured.drop()
         self.policy.forget_graphs()
         self._timer.clear()

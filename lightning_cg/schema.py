@@ -71,6 +71,7 @@ class CUDAGraphSchema:
     capture: str = "paid_back"
     min_sightings: int = 2
     drop_slower_graphs: Any = True
+    cast_weights_per_run: Any = True
 
 
 @dataclass

@@ -44,6 +44,7 @@ HYDRA_ROWS = [
     ("train", ["compare_eager=sometimes"], "compare_eager"),
     ("validate", ["cudagraph.verify=1"], "verify"),
     ("predict", ["cudagraph.drop_slower_graphs=0"], "drop_slower_graphs"),
+    ("predict", ["cudagraph.cast_weights_per_run=yes"], "cast_weights_per_run"),
     ("predict", ["cudagraph.capture_during_sanity_check=on"], "capture_during_sanity_check"),
     ("predict", ["cudagraph.encoder_data_parallel=2"], "encoder_data_parallel"),
     # budgets: integers, in a list, in range
@@ -176,6 +177,7 @@ PYTHON_ROWS = [
         "encoder_data_parallel",
     ),
     ("callback drop_slower_graphs=None", callback(drop_slower_graphs=None), "drop_slower_graphs"),
+    ("callback cast_weights_per_run=1", callback(cast_weights_per_run=1), "cast_weights_per_run"),
     ("callback budgets [64.9, 128.7]", callback(budgets={"budgets": [64.9, 128.7]}), "budgets"),
     ("callback True as a budget", callback(budgets={"budgets": [True]}), "budgets"),
     ("callback max_budget=True", callback(budgets={"max_budget": True}), "max_budget"),
