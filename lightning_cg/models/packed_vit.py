@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -490,4 +491,3 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda" or torch.compiler.is_compiling():
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
