@@ -5,8 +5,9 @@ A frame of ``h x w`` patches is packed window after window (row-major), each
 :func:`lightning_cg.models.packed_vit.patchify`). Window rows come one after
 another, so the positions of an ``h x w`` frame are the first ``h * w`` rows of
 those of any taller frame of the same width: one table per width serves every
-height up to its own, and a batch of mixed image sizes finds its frames in a
-few tables instead of one cached array per ``(h, w)``.
+height up to its own. Frame sizes are cached as views of those tables, so
+many image sizes fit the cache (a size seen before is one lookup) and a new
+size costs a slice, not a new array.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from functools import lru_cache
 
 import numpy as np
 
+#: Frames whose positions (views of a table) are kept, by (h, w, merge).
+_FRAMES = 1024
 #: Tables kept, by (width, merge, window rows rounded up to a power of two).
-_TABLES = 512
+_TABLES = 256
 
 
 def packed_positions(frames: Sequence[tuple[int, int]], merge: int) -> np.ndarray:
@@ -29,10 +32,12 @@ def packed_positions(frames: Sequence[tuple[int, int]], merge: int) -> np.ndarra
     return np.concatenate([frame_positions(h, w, merge) for h, w in frames])
 
 
+@lru_cache(maxsize=_FRAMES)
 def frame_positions(h: int, w: int, merge: int) -> np.ndarray:
     """int32 ``(h*w, 2)`` patch (row, column) of one frame, in merge-window order.
 
-    A read-only view of a cached table: copy it before writing.
+    A read-only view of a table of the frame's width, cached: a frame size
+    seen before costs one cache lookup. Copy it before writing.
     """
     window_rows = h // merge
     # Heights rounded up to a power of two: a width needs a few tables, not one per height.
