@@ -156,7 +156,9 @@ class HostStaging:
     previous replay's copy, itself queued behind the previous graph, so the
     host could never queue a graph ahead of the GPU; a few slots let it run a
     few replays ahead, as a new pinned tensor per replay did, without the
-    allocations. Host rows of other devices (non-CUDA) never get here.
+    allocations. Graphs that share a buffer (the item counts of one budget)
+    each keep their own staging: it only holds host metadata, a few bytes per
+    token.
     """
 
     def __init__(self) -> None:
@@ -173,13 +175,9 @@ class HostStaging:
             else:
                 write_padded(pinned, rows, rule)
             buffer.tensor.copy_(pinned, non_blocking=True)
-        slot.event.record()
+        # The stream the copies went to: the current one of the buffers' device.
+        slot.event.record(torch.cuda.current_stream(staged[0][0].device))
         self._slots.append(slot)
-
-    @property
-    def num_slots(self) -> int:
-        """Slots made so far (each holds one pinned tensor per staged buffer)."""
-        return len(self._slots)
 
     def _free_slot(self) -> _Slot:
         if self._slots and self._slots[0].event.query():
