@@ -129,6 +129,7 @@ def test_unknown_dispatch_names_the_field_and_allowed_values():
     ("tokens", "frames", "budget", "max_items", "max_frames", "expected"),
     [
         ([3, 5], [1, 1], 12, 8, 8, [0, 1, 0]),  # repeats in turn while they fit
+        ([5, 3], [1, 1], 12, 8, 8, [1, 0, 1]),  # smallest first, in any order
         ([3, 5], [1, 1], 16, 8, 8, [0, 1, 0, 1]),
         ([3, 5], [1, 1], 100, 3, 8, [0, 1, 0]),  # max_items
         ([3, 5], [2, 2], 100, 8, 5, [0, 1]),  # max_frames
