@@ -168,7 +168,9 @@ class DecisionTable:
                     parts.append([index])
                     room = cap - item_tokens[index]
             cost = sum(self._best_single(sum(item_tokens[i] for i in part)) for part in parts)
-            splits.append(Decision("split", cost, parts=tuple(tuple(part) for part in parts)))
+            # Each part in sub-batch order: consecutive items are selected as a view.
+            in_order = tuple(tuple(sorted(part)) for part in parts)
+            splits.append(Decision("split", cost, parts=in_order))
         return splits
 
     def _best_single(self, tokens: int) -> float:

@@ -98,6 +98,8 @@ def test_choice_is_never_worse_than_graph_or_eager(graph, eager, items):
     if decision.runner == "split":
         assert sorted(i for part in decision.parts for i in part) == list(range(len(items)))
         assert len(decision.parts) >= 2
+        # Each part keeps the sub-batch's order, so consecutive items stay a view.
+        assert all(list(part) == sorted(part) for part in decision.parts)
 
 
 @pytest.mark.parametrize(
