@@ -73,14 +73,14 @@ def test_rows_that_do_not_fit_a_buffer_raise_and_name_it(device):
 
 @pytest.mark.cuda
 def test_cuda_staging_is_not_rewritten_before_the_gpu_has_read_it():
-    """The GPU is held busy, so every copy out of the staging is still queued when the
+    """The GPU is kept busy, so copies out of the staging are still queued when the
     host writes the next rows: more fills than slots must still each land whole."""
     rng = random.Random(2)
     buffers = buffers_on("cuda", size=64)
     static_inputs = StaticInputs(buffers)
     filled, snapshots = [], []
-    torch.cuda._sleep(200_000_000)  # about a tenth of a second of GPU time
     for _ in range(3 * MAX_STAGING_SLOTS):
+        torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time before each copy
         rows = random_rows(rng, rng.randint(0, 64))
         static_inputs.fill(rows, RULES, "path")
         filled.append(rows)
