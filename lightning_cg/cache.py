@@ -18,6 +18,7 @@ import torch
 from lightning_cg.dispatcher import BatchDescriptor, GraphMode
 from lightning_cg.encoder import CaptureSpec
 from lightning_cg.piecewise_graph import PiecewiseGraph
+from lightning_cg.static_inputs import StaticInputs
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class CapturedGraph:
     cuda_graph: torch.cuda.CUDAGraph | None = None
     pieces: PiecewiseGraph | None = None
     verified: bool = False
+    #: How each replay rewrites the buffers (and its pinned staging, on CUDA).
+    static_inputs: StaticInputs = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.static_inputs = StaticInputs(self.buffers)
 
     @property
     def num_cuda_graphs(self) -> int:

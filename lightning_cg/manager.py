@@ -293,9 +293,12 @@ class EncoderGraphManager:
         item_tokens = [spec.path_tokens for spec in specs]
         max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
         ladders = {path: plan.ladder for path, plan in self.paths.items()}
-        return pack_items(
+        packed = pack_items(
             item_tokens, self.max_items, max_budgets, self.config.packing, budgets=ladders
         )
+        # Items in call order: a graph does not care, and consecutive items are
+        # selected as views (every item of the call: the call itself), not gathered.
+        return [sorted(indices) for indices in packed]
 
     def _run_eagerly(self, call: _Call, sub_batch: SubBatch) -> bool:
         """Run every path of one sub-batch eagerly; whether any rows are on CUDA."""

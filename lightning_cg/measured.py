@@ -168,7 +168,9 @@ class DecisionTable:
                     parts.append([index])
                     room = cap - item_tokens[index]
             cost = sum(self._best_single(sum(item_tokens[i] for i in part)) for part in parts)
-            splits.append(Decision("split", cost, parts=tuple(tuple(part) for part in parts)))
+            # Each part in sub-batch order: consecutive items are selected as a view.
+            in_order = tuple(tuple(sorted(part)) for part in parts)
+            splits.append(Decision("split", cost, parts=in_order))
         return splits
 
     def _best_single(self, tokens: int) -> float:
@@ -246,8 +248,9 @@ def fill_budget(
 
     A budget's graph and eager are timed on such a stand-in sub-batch so that
     attention sees the data's own sequence lengths, not one sequence over the
-    whole budget. Passes over the items in order, taking each that still fits
-    (tokens, items and frames), until a pass takes none.
+    whole budget. Passes over the items smallest first (as packing orders
+    them, whatever order the sub-batch holds them in), taking each that still
+    fits (tokens, items and frames), until a pass takes none.
 
     Example:
         >>> fill_budget([3, 5], [1, 1], budget=12, max_items=8, max_frames=8)
@@ -256,11 +259,11 @@ def fill_budget(
     positions: list[int] = []
     room, frames = budget, 0
     taken = True
+    smallest_first = sorted(range(len(item_tokens)), key=item_tokens.__getitem__)
     while taken and len(positions) < max_items:
         taken = False
-        for position, (tokens, item_frame_count) in enumerate(
-            zip(item_tokens, item_frames, strict=True)
-        ):
+        for position in smallest_first:
+            tokens, item_frame_count = item_tokens[position], item_frames[position]
             fits = 0 < tokens <= room and frames + item_frame_count <= max_frames
             if fits and len(positions) < max_items:
                 positions.append(position)

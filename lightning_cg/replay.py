@@ -1,8 +1,9 @@
 """Replay: fill a graph's static buffers, pad them, replay, and check against eager.
 
 Every replay rewrites every input buffer (the real rows, then the key's
-padding rule), so nothing of an earlier batch leaks into a later one, and
-clones the real rows of the output, so nothing returned aliases a graph buffer.
+padding rule; see :mod:`lightning_cg.static_inputs`), so nothing of an earlier
+batch leaks into a later one, and clones the real rows of the output, so
+nothing returned aliases a graph buffer.
 """
 
 from __future__ import annotations
@@ -32,56 +33,10 @@ def replay(
     total: int,
 ) -> torch.Tensor:
     """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real rows."""
-    real = encoder.replay_inputs(path, inputs)
-    if not graph.buffers.keys() <= real.keys():
-        missing = sorted(graph.buffers.keys() - real.keys())
-        raise RuntimeError(f"replay_inputs for path {path!r} lacks buffer(s) {missing}")
-    for name, buffer in graph.buffers.items():
-        fill(name, buffer, real[name], padding_rules.get(name, "zero"))
+    graph.static_inputs.fill(encoder.replay_inputs(path, inputs), padding_rules, path)
+    output = graph.run()
     # Clone: the next replay overwrites the graph's output buffer.
-    return graph.run()[:total].clone()
-
-
-def fill(name: str, buffer: torch.Tensor, rows: torch.Tensor, rule: str) -> None:
-    """Write ``rows`` into the head of ``buffer`` and pad the rest by ``rule``."""
-    count = rows.shape[0]
-    if rows.shape[1:] != buffer.shape[1:] or count > buffer.shape[0]:
-        raise RuntimeError(
-            f"buffer {name!r} holds {tuple(buffer.shape)}; replay rows {tuple(rows.shape)} "
-            "do not fit (the adapter's capture_inputs and replay_inputs disagree)"
-        )
-    # is_cpu/is_cuda: no device objects built on every replay.
-    from_host = rows.is_cpu and not buffer.is_cpu
-    if rows.dtype != buffer.dtype or (not from_host and rows.device != buffer.device):
-        raise RuntimeError(
-            f"buffer {name!r} is {buffer.dtype} on {buffer.device}; replay rows are "
-            f"{rows.dtype} on {rows.device}; the graph signature should have separated them"
-        )
-    if from_host:
-        # Host metadata: padded where it is, in pinned memory, then one copy
-        # that does not wait for the GPU, instead of a copy and a padding kernel.
-        buffer.copy_(padded(rows, buffer.shape[0], rule, pin=buffer.is_cuda), non_blocking=True)
-        return
-    buffer[:count].copy_(rows, non_blocking=True)
-    if count == buffer.shape[0]:
-        return
-    if rule == "repeat_last" and count > 0:
-        buffer[count:].copy_(rows[-1:].expand_as(buffer[count:]), non_blocking=True)
-    else:
-        buffer[count:].zero_()
-
-
-def padded(rows: torch.Tensor, size: int, rule: str, pin: bool = False) -> torch.Tensor:
-    """Host ``rows`` grown to ``size`` rows by the padding rule (``zero`` or
-    ``repeat_last``), in a new tensor, in pinned memory if ``pin``."""
-    count = rows.shape[0]
-    grown = torch.empty((size, *rows.shape[1:]), dtype=rows.dtype, pin_memory=pin)
-    grown[:count] = rows
-    if rule == "repeat_last" and count > 0:
-        grown[count:] = rows[-1]
-    else:
-        grown[count:] = 0
-    return grown
+    return (output if output.shape[0] == total else output[:total]).clone()
 
 
 def check_replay(

@@ -9,8 +9,8 @@ from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
-from lightning_cg.replay import padded as _padded
 from lightning_cg.replay import relative_error, replay
+from lightning_cg.static_inputs import write_padded, write_padded_array
 
 
 def make_batch(rng: random.Random, lengths: list[int], dtype=torch.float32, device="cpu"):
@@ -400,14 +400,26 @@ def test_host_time_per_replay_is_counted():
     assert manager.stats.host_us_per_replay == 0.0
 
 
-def test_host_rows_are_padded_by_the_buffers_rule():
+def _padded(rows: torch.Tensor, size: int, rule: str, as_numpy: bool) -> list:
+    """``rows`` written by ``write_padded`` into ``size`` rows that held -1."""
+    target = torch.full((size, *rows.shape[1:]), -1, dtype=rows.dtype)
+    if as_numpy:
+        write_padded_array(target.numpy(), rows.numpy(), rule)
+    else:
+        write_padded(target, rows, rule)
+    return target.tolist()
+
+
+@pytest.mark.parametrize("as_numpy", [False, True], ids=["torch", "numpy"])
+def test_host_rows_are_padded_by_the_buffers_rule(as_numpy):
     cu_seqlens = torch.tensor([0, 3, 7], dtype=torch.int32)
-    assert _padded(cu_seqlens, 5, "repeat_last").tolist() == [0, 3, 7, 7, 7]
+    assert _padded(cu_seqlens, 5, "repeat_last", as_numpy) == [0, 3, 7, 7, 7]
     positions = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
-    assert _padded(positions, 3, "zero").tolist() == [[1, 2], [3, 4], [0, 0]]
-    assert _padded(positions, 2, "zero").tolist() == positions.tolist()
+    assert _padded(positions, 3, "zero", as_numpy) == [[1, 2], [3, 4], [0, 0]]
+    assert _padded(positions, 3, "repeat_last", as_numpy) == [[1, 2], [3, 4], [3, 4]]
+    assert _padded(positions, 2, "zero", as_numpy) == positions.tolist()
     # Nothing to repeat: zeros.
-    assert _padded(cu_seqlens[:0], 2, "repeat_last").tolist() == [0, 0]
+    assert _padded(cu_seqlens[:0], 2, "repeat_last", as_numpy) == [0, 0]
 
 
 def test_a_sub_batch_of_every_item_in_order_is_not_gathered(monkeypatch):

@@ -98,6 +98,8 @@ def test_choice_is_never_worse_than_graph_or_eager(graph, eager, items):
     if decision.runner == "split":
         assert sorted(i for part in decision.parts for i in part) == list(range(len(items)))
         assert len(decision.parts) >= 2
+        # Each part keeps the sub-batch's order, so consecutive items stay a view.
+        assert all(list(part) == sorted(part) for part in decision.parts)
 
 
 @pytest.mark.parametrize(
@@ -129,6 +131,7 @@ def test_unknown_dispatch_names_the_field_and_allowed_values():
     ("tokens", "frames", "budget", "max_items", "max_frames", "expected"),
     [
         ([3, 5], [1, 1], 12, 8, 8, [0, 1, 0]),  # repeats in turn while they fit
+        ([5, 3], [1, 1], 12, 8, 8, [1, 0, 1]),  # smallest first, in any order
         ([3, 5], [1, 1], 16, 8, 8, [0, 1, 0, 1]),
         ([3, 5], [1, 1], 100, 3, 8, [0, 1, 0]),  # max_items
         ([3, 5], [2, 2], 100, 8, 5, [0, 1]),  # max_frames

@@ -171,3 +171,17 @@ def test_random_calls_equal_the_towers_forward_with_every_item_gathered_at_most_
         )
         gathered = sum(encoder.gathered, [])
         assert len(gathered) == len(set(gathered))
+
+
+def test_a_sub_batch_of_every_item_the_packer_reordered_is_the_call_itself():
+    torch.manual_seed(0)
+    encoder = GatherCountingEncoder(ToyTower(global_tokens=2).eval())
+    manager = manager_for(encoder, capture="first_use")
+    # Packing goes smallest first (items 1, 0) but one sub-batch holds both.
+    inputs = toy_call([9, 3], seed=6)
+
+    output = execute(manager, inputs)
+
+    torch.testing.assert_close(output, eager(encoder.tower, inputs), rtol=1e-5, atol=1e-5)
+    assert manager.stats.sub_batches == 1 and manager.stats.hits == 2
+    assert encoder.gathered == []

@@ -88,6 +88,18 @@ def as_slice(indices: Sequence[int]) -> slice | None:
     return None
 
 
+def select_rows(batch: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    """The rows of ``batch`` at ``indices``, in that order (a view when they are consecutive)."""
+    consecutive = as_slice(indices)
+    if consecutive is not None:
+        return batch[consecutive]
+    # From pinned memory: a pageable host-to-device copy would wait for the GPU.
+    index = torch.as_tensor(indices, dtype=torch.long)
+    if batch.is_cuda:
+        index = index.pin_memory().to(batch.device, non_blocking=True)
+    return batch[index]
+
+
 def join_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(rows)`` of one or more tensors, without the copy when ``rows``
     already lie one after another in one tensor's memory and fill all of it:

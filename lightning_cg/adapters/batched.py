@@ -15,7 +15,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lightning_cg.adapters import as_slice, join_rows
+from lightning_cg.adapters import join_rows, select_rows
 from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
@@ -176,18 +176,6 @@ class BatchedEncoderAdapter:
             raise ValueError(
                 f"unknown encoder path {path!r}; BatchedEncoderAdapter has only 'image'"
             )
-
-
-def select_rows(batch: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
-    """The rows of ``batch`` at ``indices``, in that order (a view when they are consecutive)."""
-    consecutive = as_slice(indices)
-    if consecutive is not None:
-        return batch[consecutive]
-    # From pinned memory: a pageable host-to-device copy would wait for the GPU.
-    index = torch.as_tensor(indices, dtype=torch.long)
-    if batch.is_cuda:
-        index = index.pin_memory().to(batch.device, non_blocking=True)
-    return batch[index]
 
 
 def dummy_rows(

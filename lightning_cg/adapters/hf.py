@@ -36,13 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cg.adapters import join_rows
-from lightning_cg.adapters.batched import (
-    IMAGE_PATH,
-    BatchedEncoderAdapter,
-    dummy_rows,
-    select_rows,
-)
+from lightning_cg.adapters import join_rows, select_rows
+from lightning_cg.adapters.batched import IMAGE_PATH, BatchedEncoderAdapter, dummy_rows
 from lightning_cg.adapters.structured import RowLayout, output_rows
 from lightning_cg.encoder import CaptureSpec, ItemSpec
 

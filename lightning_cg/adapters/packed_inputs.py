@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from lightning_cg.adapters import as_slice
+from lightning_cg.adapters import as_slice, select_rows
 
 #: Items as host ``(t, h, w)`` triples: frames, patch rows, patch columns.
 Grid = list[tuple[int, int, int]]
@@ -107,7 +107,9 @@ def select_packed_items(inputs: Inputs, indices: Sequence[int]) -> Inputs:
     return dataclasses.replace(
         inputs,
         pixel_patches=torch.cat([inputs.pixel_patches[:0], *pieces]),
-        grid_thw=inputs.grid_thw[list(indices)],
+        # Not grid_thw[indices]: a list index of a CUDA tensor is copied from
+        # pageable memory, which waits for the GPU.
+        grid_thw=select_rows(inputs.grid_thw, indices),
         grid=[inputs.grid[i] for i in indices],
     )
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 
 from lightning_cg.attention import Attend, sequence_attention, varlen_supported
 from lightning_cg.attention import block_diagonal_mask as block_diagonal_mask  # re-exported
+from lightning_cg.models.patch_positions import packed_positions
 
 #: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
 GridTHW = torch.Tensor | Sequence[Sequence[int]]
@@ -270,13 +270,11 @@ class PackedViT(nn.Module):
             ``positions`` int32 ``(patches, 2)``: each patch's row and column.
         """
         grid = _as_grid(grid_thw)
-        frame_sizes = [h * w for t, h, w in grid for _ in range(t)]
-        cu_seqlens = torch.tensor([0, *itertools.accumulate(frame_sizes)], dtype=torch.int32)
-        merge = self.config.spatial_merge_size
-        frames = [_frame_positions(h, w, merge) for t, h, w in grid for _ in range(t)]
-        # numpy: a few microseconds per frame where torch's small ops cost tens.
-        positions = np.concatenate(frames) if frames else np.empty((0, 2), dtype=np.int32)
-        return {"cu_seqlens": cu_seqlens, "positions": torch.from_numpy(positions)}
+        frames = [(h, w) for t, h, w in grid for _ in range(t)]
+        # numpy, then one wrap: torch.tensor of a list costs several times more host time.
+        offsets = np.array([0, *itertools.accumulate(h * w for h, w in frames)], np.int32)
+        positions = packed_positions(frames, self.config.spatial_merge_size)
+        return {"cu_seqlens": torch.from_numpy(offsets), "positions": torch.from_numpy(positions)}
 
     def build_metadata(self, grid_thw: GridTHW, device: torch.device) -> dict[str, torch.Tensor]:
         """:meth:`host_metadata` on ``device``, copied without waiting for the GPU."""
@@ -494,20 +492,3 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda" or torch.compiler.is_compiling():
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-@lru_cache(maxsize=256)
-def _frame_positions(h: int, w: int, merge: int) -> np.ndarray:
-    """int32 ``(h*w, 2)`` patch (row, column) of one frame, in merge-window order.
-
-    Cached: images of one size share it (callers never modify it).
-    """
-    windows_down, windows_across = h // merge, w // merge
-    within = np.arange(merge, dtype=np.int32)
-    # (window row, window column, row in window, column in window, (row, column))
-    positions = np.empty((windows_down, windows_across, merge, merge, 2), dtype=np.int32)
-    down = np.arange(windows_down, dtype=np.int32) * merge
-    across = np.arange(windows_across, dtype=np.int32) * merge
-    positions[..., 0] = down[:, None, None, None] + within[None, None, :, None]
-    positions[..., 1] = across[None, :, None, None] + within[None, None, None, :]
-    return positions.reshape(h * w, 2)

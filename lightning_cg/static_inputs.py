@@ -1,0 +1,217 @@
+"""A graph's static input buffers, and how each replay rewrites them whole.
+
+Every replay writes every buffer: the real rows at its head, then the padding
+rule's rows past them (``zero``, or ``repeat_last``: the last real row again),
+so nothing of an earlier batch is left in it.
+
+Rows already on the buffer's device are copied there. Rows an adapter builds on
+the host (frame offsets, patch positions) are written with numpy where their
+dtype allows: into the buffer itself when it is on the CPU, else padded in
+pinned host memory and copied over in one transfer that does not wait for the
+GPU. That pinned memory belongs to the graph and is reused from replay to
+replay (:class:`HostStaging`), not allocated per buffer per replay.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+#: Most sets of pinned staging tensors one graph keeps (see :class:`HostStaging`).
+MAX_STAGING_SLOTS = 4
+#: Dtypes whose host rows are written with numpy (:func:`write_padded_array`).
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
+
+
+class StaticInputs:
+    """The input buffers of one graph, rewritten by :meth:`fill` before each replay.
+
+    Args:
+        buffers: the graph's static buffers by name.
+    """
+
+    def __init__(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        self._buffers = [_Buffer(name, tensor) for name, tensor in buffers.items()]
+        self._names = frozenset(buffers)
+        # Made at the first replay that brings host rows for a CUDA buffer.
+        self._staging: HostStaging | None = None
+
+    def fill(
+        self, real: Mapping[str, torch.Tensor], padding_rules: Mapping[str, str], path: str
+    ) -> None:
+        """Write each buffer's rows of ``real`` at its head and pad the rest by its
+        rule in ``padding_rules`` (``zero`` when it has none).
+
+        Raises:
+            RuntimeError: ``real`` lacks a buffer, or its rows do not fit the
+                buffer's row shape, size, dtype or device.
+        """
+        if not self._names <= real.keys():
+            missing = sorted(self._names - real.keys())
+            raise RuntimeError(f"replay_inputs for path {path!r} lacks buffer(s) {missing}")
+        staged = []
+        for buffer in self._buffers:
+            rows = real[buffer.name]
+            rule = padding_rules.get(buffer.name, "zero")
+            if buffer.takes_from_host(rows):
+                staged.append((buffer, rows, rule))
+            elif buffer.array is not None and _numpy_safe(rows):
+                write_padded_array(buffer.array, rows.numpy(), rule)
+            else:
+                write_padded(buffer.tensor, rows, rule)
+        if staged:
+            if self._staging is None:
+                self._staging = HostStaging()
+            self._staging.copy(staged)
+
+
+def write_padded(target: torch.Tensor, rows: torch.Tensor, rule: str) -> None:
+    """Write ``rows`` at the head of ``target`` and the rest by ``rule``: zeros, or
+    for ``repeat_last`` the last row again (zeros when there is none)."""
+    count = rows.shape[0]
+    if count == target.shape[0]:
+        target.copy_(rows)  # no slicing: a few microseconds of host time less
+        return
+    target[:count].copy_(rows)
+    padding = target[count:]
+    if rule == "repeat_last" and count:
+        padding.copy_(rows[-1:].expand_as(padding))
+    else:
+        padding.zero_()
+
+
+def write_padded_array(target: np.ndarray, rows: np.ndarray, rule: str) -> None:
+    """:func:`write_padded` for numpy arrays, whose slice assignments cost a fraction
+    of a microsecond of host time where a torch op costs a few."""
+    count = rows.shape[0]
+    target[:count] = rows
+    if count < target.shape[0]:
+        target[count:] = rows[-1] if rule == "repeat_last" and count else 0
+
+
+class _Buffer:
+    """One static buffer, and what every replay checks its rows against."""
+
+    __slots__ = ("array", "device", "dtype", "is_cpu", "is_cuda", "name", "row_shape", "tensor")
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.row_shape = tensor.shape[1:]
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.is_cpu = tensor.is_cpu
+        self.is_cuda = tensor.is_cuda
+        # A CPU buffer's own memory, which host rows are written into with numpy.
+        self.array = tensor.numpy() if self.is_cpu and _numpy_safe(tensor) else None
+
+    def takes_from_host(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` go through pinned staging (host rows for a CUDA buffer).
+
+        Raises:
+            RuntimeError: ``rows`` do not fit the buffer.
+        """
+        if rows.shape[1:] != self.row_shape or rows.shape[0] > self.tensor.shape[0]:
+            raise RuntimeError(
+                f"buffer {self.name!r} holds {tuple(self.tensor.shape)}; replay rows "
+                f"{tuple(rows.shape)} do not fit (the adapter's capture_inputs and "
+                "replay_inputs disagree)"
+            )
+        # is_cpu: no device object built for host rows.
+        from_host = rows.is_cpu and not self.is_cpu
+        if rows.dtype != self.dtype or (not from_host and rows.device != self.device):
+            raise RuntimeError(
+                f"buffer {self.name!r} is {self.dtype} on {self.device}; replay rows are "
+                f"{rows.dtype} on {rows.device}; the graph signature should have separated them"
+            )
+        return from_host and self.is_cuda
+
+
+class HostStaging:
+    """Pinned host copies of a graph's CUDA buffers that take host rows, reused
+    from replay to replay.
+
+    A copy from pinned memory returns before the GPU has read it, and the GPU
+    reads it only once the work queued before it (earlier graphs) is done, so
+    the host may rewrite a staging tensor only after that copy has run. Staging
+    therefore comes in slots, one pinned tensor per buffer each, with an event
+    recorded after the slot's copies. A replay takes the oldest slot once its
+    event has completed, else adds a slot, up to :data:`MAX_STAGING_SLOTS`,
+    else waits for the oldest. With one slot, every replay would wait for the
+    previous replay's copy, itself queued behind the previous graph, so the
+    host could never queue a graph ahead of the GPU; a few slots let it run a
+    few replays ahead, as a new pinned tensor per replay did, without the
+    allocations. Graphs that share a buffer (the item counts of one budget)
+    each keep their own staging: it only holds host metadata, a few bytes per
+    token.
+    """
+
+    def __init__(self) -> None:
+        self._slots: deque[_Slot] = deque()
+
+    def copy(self, staged: list[tuple[_Buffer, torch.Tensor, str]]) -> None:
+        """Pad each ``(buffer, host rows, rule)`` in a free slot, then copy it into
+        its buffer without waiting for the GPU."""
+        slot = self._free_slot()
+        for buffer, rows, rule in staged:
+            pinned, array = slot.host(buffer)
+            if array is not None and _numpy_safe(rows):
+                write_padded_array(array, rows.numpy(), rule)
+            else:
+                write_padded(pinned, rows, rule)
+            buffer.tensor.copy_(pinned, non_blocking=True)
+        # The stream the copies went to: the current one of the buffers' device.
+        slot.event.record(torch.cuda.current_stream(staged[0][0].device))
+        self._slots.append(slot)
+
+    def _free_slot(self) -> _Slot:
+        if self._slots and self._slots[0].event.query():
+            return self._slots.popleft()
+        if len(self._slots) < MAX_STAGING_SLOTS:
+            return _Slot()
+        oldest = self._slots.popleft()
+        oldest.event.synchronize()
+        return oldest
+
+
+class _Slot:
+    """One pinned tensor per staged buffer (made when first needed), and the event
+    recorded after their last copies."""
+
+    __slots__ = ("event", "hosts")
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.hosts: dict[str, tuple[torch.Tensor, np.ndarray | None]] = {}
+
+    def host(self, buffer: _Buffer) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The pinned tensor of ``buffer`` and its numpy view (None for dtypes numpy lacks)."""
+        host = self.hosts.get(buffer.name)
+        if host is None:
+            shape = buffer.tensor.shape
+            pinned = torch.empty(shape, dtype=buffer.dtype, pin_memory=True)
+            host = self.hosts[buffer.name] = (
+                pinned,
+                pinned.numpy() if _numpy_safe(pinned) else None,
+            )
+        return host
+
+
+def _numpy_safe(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor.numpy()`` shares its memory (a numpy dtype, no autograd)."""
+    return tensor.dtype in _NUMPY_DTYPES and not tensor.requires_grad
