@@ -1,0 +1,25 @@
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reports_host_time_per_replay_of_every_case_on_cpu():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "host_replay.py"), "--passes=1", "--repeats=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(
+        r"^(\w+) +host us/replay over 1 passes of (\d+) replays: min +([\d.]+)",
+        result.stdout,
+        flags=re.MULTILINE,
+    )
+    assert [name for name, _, _ in rows] == ["batched1", "batched8", "packed1", "packed8"]
+    # Every call was replayed (captured at first use) and took some host time.
+    assert all(int(replays) > 0 and float(us) > 0 for _, replays, us in rows)
