@@ -252,8 +252,8 @@ class GraphCapturer:
         return dtype
 
     def _refuse_casts(self, why: str) -> None:
+        # The copies stay: graphs captured before may read them.
         self._casts_disagree = True
-        self.weight_casts.clear()  # no graph reads them
         logger.info(
             "%s: graphs cast weights on every replay, not once per run: %s",
             type(self.encoder).__name__,
