@@ -3,8 +3,9 @@
 Under autocast a ``Linear`` or ``Conv`` casts its float32 weight and bias to the
 autocast dtype on every call. Eager autocast caches those casts for one step;
 a graph captured under autocast records the cast kernels and replays them every
-time: for a ViT-B at batch 1, about half a gigabyte of memory traffic and two
-dozen kernels per replay. :class:`WeightCasts` keeps low-precision copies of
+time: for a ViT-B, one cast kernel per weight and bias on every replay
+(measured on the H200: a batch-1 replay of vit_b_16 1.2 ms with them, 0.99 ms
+without). :class:`WeightCasts` keeps low-precision copies of
 those weights; a graph is captured with the copies in the modules (autocast
 leaves a tensor of its dtype as it is, so nothing is cast), and
 :meth:`WeightCasts.refresh` copies the current values in at the start of each
@@ -27,8 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-#: Modules whose weight and bias feed only autocast's low-precision ops.
-_SERVED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+from lightning_cg.replay import relative_error
+
+#: The forwards of modules whose weight and bias feed only autocast's
+#: low-precision ops (subclasses that keep them are served too).
+_SERVED_FORWARDS = frozenset(kind.forward for kind in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
 #: Autocast dtypes the copies are made in.
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -99,7 +103,7 @@ class WeightCasts:
 
     def _make_copies(self, dtype: torch.dtype) -> Iterator[_Copy]:
         for module in self._tower.modules():
-            if type(module).forward not in {kind.forward for kind in _SERVED}:
+            if type(module).forward not in _SERVED_FORWARDS:
                 continue
             for name, master in module.named_parameters(recurse=False):
                 if master.dtype != torch.float32:
@@ -112,6 +116,4 @@ class WeightCasts:
         """Whether a warm-up with the copies gave what one without them did."""
         if with_copies.shape != without.shape or with_copies.dtype != without.dtype:
             return False
-        reference = without.float()
-        error = (with_copies.float() - reference).norm() / reference.norm().clamp_min(1e-12)
-        return bool(error <= tolerance)
+        return relative_error(with_copies, without) <= tolerance
