@@ -26,6 +26,9 @@ sub-batches fill the GPU and are partly padding is not captured, while one
 whose eager time is mostly launches is. A path whose sub-batches differ in
 real tokens waits for that fit before its first capture (for at most
 :data:`FIT_PATIENCE` timed eager calls), even while they all need one key.
+Compiled graphs (``graphs_fuse_work``) are the exception: inductor fuses the
+tower's kernels, so a graph may do less work than eager and the line does not
+bound it; the prior stands in until a graph of the path is measured.
 Before anything is measured, :data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
 
 After capture a key's replays are timed too; a graph measured slower than the
@@ -91,6 +94,8 @@ class CapturePolicy:
         first_use: capture every key at its first sighting (``capture="first_use"``).
         min_sightings: sightings before a key may be captured.
         drop_slower_graphs: :meth:`slower_than_eager` may send a key back to eager.
+        graphs_fuse_work: graphs run fused kernels (compiled capture), so eager's
+            cost per token does not bound theirs.
 
     Example:
         >>> policy = CapturePolicy(min_sightings=2)
@@ -101,11 +106,16 @@ class CapturePolicy:
     """
 
     def __init__(
-        self, first_use: bool = False, min_sightings: int = 2, drop_slower_graphs: bool = True
+        self,
+        first_use: bool = False,
+        min_sightings: int = 2,
+        drop_slower_graphs: bool = True,
+        graphs_fuse_work: bool = False,
     ) -> None:
         self.first_use = first_use
         self.min_sightings = min_sightings
         self.drop_slower_graphs = drop_slower_graphs
+        self.graphs_fuse_work = graphs_fuse_work
         self._keys: dict[Hashable, _KeyRecord] = {}
         self._path_sub_batches: dict[str, int] = {}
         # Up to two real-token counts per path: two tell that its sizes vary.
@@ -237,7 +247,7 @@ class CapturePolicy:
         ]
         if measured:
             return min(measured)[1] * record.padding_factor
-        line = self._eager_line(record.path)
+        line = None if self.graphs_fuse_work else self._eager_line(record.path)
         if line is not None and record.eager:
             _, per_token = line
             return per_token * record.size / record.eager
@@ -249,7 +259,7 @@ class CapturePolicy:
         budget differ too), nothing of it is measured as a graph, the line
         cannot be fitted yet, and fewer than :data:`FIT_PATIENCE` eager calls are
         timed (their timings arrive a call late, and the prior would decide)."""
-        if len(self._path_token_counts.get(path, ())) < 2:
+        if self.graphs_fuse_work or len(self._path_token_counts.get(path, ())) < 2:
             return False
         records = [record for record in self._keys.values() if record.path == path]
         if any(record.graph is not None for record in records):

@@ -152,10 +152,12 @@ def test_a_key_mostly_padding_is_not_expected_to_gain():
     assert see(policy, "full", eager_s=0.010, size=64, tokens=64) == CAPTURE
 
 
-def path_with_eager_calls(fixed_s: float, per_token_s: float) -> CapturePolicy:
+def path_with_eager_calls(
+    fixed_s: float, per_token_s: float, graphs_fuse_work: bool = False
+) -> CapturePolicy:
     """A policy whose path ran eagerly at 64 and 1024 tokens, costing
     ``fixed_s + per_token_s x tokens``; nothing captured yet."""
-    policy = CapturePolicy(min_sightings=1)
+    policy = CapturePolicy(min_sightings=1, graphs_fuse_work=graphs_fuse_work)
     policy.begin_run(expected_calls=1000)
     for tokens in (64, 1024):
         policy.record_eager_call("local", tokens, fixed_s + per_token_s * tokens)
@@ -174,6 +176,18 @@ def test_eager_calls_that_fill_the_gpu_promise_no_gain_to_a_padded_graph():
     policy = path_with_eager_calls(fixed_s=0.0, per_token_s=1e-5)
     assert see(policy, "a", eager_s=1e-5 * 600, size=1024, tokens=600) == NO_GAIN
     assert policy.estimates("a")["graph_ratio"] == pytest.approx(1024 / 600)
+
+
+def test_compiled_graphs_are_not_bounded_by_the_eager_line():
+    # The same GPU-filling path as above, but the graphs run fused kernels: the
+    # prior decides until a graph is measured, and no wait for the line either.
+    policy = path_with_eager_calls(fixed_s=0.0, per_token_s=1e-5, graphs_fuse_work=True)
+    assert see(policy, "a", eager_s=1e-5 * 600, size=1024, tokens=600) == CAPTURE
+    assert policy.estimates("a")["graph_ratio"] == pytest.approx(PRIOR_GRAPH_RATIO * 1024 / 600)
+    waiting = CapturePolicy(min_sightings=2, graphs_fuse_work=True)
+    waiting.begin_run(expected_calls=1000)
+    see(waiting, "k", eager_s=0.015, size=4096, tokens=3000)
+    assert see(waiting, "k", size=4096, tokens=3500) == CAPTURE
 
 
 def test_a_path_of_several_sizes_waits_for_its_cost_line_before_the_first_capture():
