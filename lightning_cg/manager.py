@@ -103,6 +103,7 @@ class EncoderGraphManager:
             first_use=self.config.capture == "first_use",
             min_sightings=self.config.min_sightings,
             drop_slower_graphs=self.config.drop_slower_graphs,
+            graphs_fuse_work=self.config.compile,
         )
         self.auto_ladder = AutoLadder(
             choices,
