@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cg.adapters.hf import require_transformers
+from lightning_cg.adapters.hf_optional import require_transformers
 from lightning_cg.models.hf import clip_vision_tower
 
 CLIP_TOWER = "clip_vit_b16"

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from lightning_cg.callback import CUDAGraphCallback, resolve_module
+from lightning_cg.callback import CUDAGraphCallback
+from lightning_cg.callback_checks import resolve_module
 
 # Also registers the apps' structured config schema (lightning_cg.schema) with Hydra.
 from lightning_cg.preflight import check_config, check_tower

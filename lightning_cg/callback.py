@@ -9,30 +9,36 @@ validation and prediction, and puts the original back for training.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_cg.adapters import ADAPTERS, adapter_for
-from lightning_cg.binding import CHANGED, REBOUND, TensorBinding
+from lightning_cg.adapters import adapter_for
+from lightning_cg.binding import CHANGED, TensorBinding
+from lightning_cg.callback_checks import (
+    STAGES,
+    check_callback_args,
+    check_strategy,
+    is_compiled,
+    resolve_module,
+)
+from lightning_cg.callback_report import (
+    reduce_stats,
+    report_cpu_path,
+    report_rebinding,
+    report_run,
+)
 from lightning_cg.config import GraphConfig
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.manager import EncoderGraphManager
 from lightning_cg.parallel import execute_data_parallel
 from lightning_cg.progress import CaptureProgress
-from lightning_cg.stats import GraphStats
-
-STAGES = ("validate", "predict")
-#: Strategies that shard parameters: a graph would capture one shard's addresses.
-REFUSED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
 
 class CUDAGraphCallback(Callback):
@@ -132,24 +138,12 @@ class CUDAGraphCallback(Callback):
         drop_slower_graphs: bool = True,
         cast_weights_per_run: bool = True,
     ) -> None:
-        if not isinstance(module, str) or not all(
-            part.isidentifier() for part in module.split(".")
-        ):
-            raise ValueError(
-                f"module must be a dotted attribute path like 'model.visual'; got {module!r}"
-            )
-        _check_stages(stages)
-        for name, value in (
-            ("capture_during_sanity_check", capture_during_sanity_check),
-            ("keep_graphs", keep_graphs),
-            ("encoder_data_parallel", encoder_data_parallel),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be true or false; got {name}={value!r}")
-        if adapter is not None and adapter not in ADAPTERS:
-            raise ValueError(
-                f"adapter must be one of {', '.join(ADAPTERS)} or None; got adapter={adapter!r}"
-            )
+        flags = {
+            "capture_during_sanity_check": capture_during_sanity_check,
+            "keep_graphs": keep_graphs,
+            "encoder_data_parallel": encoder_data_parallel,
+        }
+        check_callback_args(module, stages, flags, adapter)
         self.module = module
         #: The graph options, checked once, shared with the manager.
         self.config = GraphConfig.from_options(
@@ -194,15 +188,9 @@ class CUDAGraphCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy, REFUSED_STRATEGIES):
-            strategy = type(trainer.strategy).__name__
-            raise RuntimeError(
-                f"CUDAGraphCallback does not support {strategy}: it shards parameters, and a "
-                "graph captured on one shard's addresses cannot replay. Use strategy='ddp' or "
-                "'auto', or remove the callback."
-            )
+        check_strategy(trainer)
         tower = resolve_module(pl_module, self.module)
-        if _is_compiled(tower):
+        if is_compiled(tower):
             rank_zero_warn(
                 f"CUDAGraphCallback: {self.module!r} is compiled with torch.compile; "
                 "leaving it alone (use mode='reduce-overhead' or drop torch.compile)."
@@ -320,26 +308,15 @@ class CUDAGraphCallback(Callback):
             self._binding = TensorBinding(self._tower)
             return
         outcome = self._binding.rebind(self._tower)
-        if outcome == REBOUND:
-            rank_zero_info(
-                "CUDAGraphCallback: tower tensors came back in new storage; "
-                "copied their values into the captured storage, graphs kept."
-            )
-        elif outcome == CHANGED:
-            rank_zero_info(
-                "CUDAGraphCallback: a tower parameter or buffer changed shape, dtype or "
-                "device; its graphs are captured again."
-            )
+        report_rebinding(outcome)
+        if outcome == CHANGED:
             self.manager.clear()
             self._binding = TensorBinding(self._tower)
 
     def _tell_once_without_cuda(self) -> None:
         if self._told_cpu or next(self._tower.parameters(), torch.empty(0)).is_cuda:
             return
-        rank_zero_info(
-            "CUDAGraphCallback: CUDA graphs need a CUDA device; the tower is on the CPU, so "
-            "batches run the same budget path (pack, pad, scatter) without capture."
-        )
+        report_cpu_path()
         self._told_cpu = True
 
     # ---------------------------------------------------------------- stats
@@ -350,63 +327,11 @@ class CUDAGraphCallback(Callback):
         self.restore()
         self._capture_failed |= self._run_manager.capture_error is not None
         self.last_stats = reduce_stats(trainer, self._run_manager.stats.as_dict())
-        metrics = {f"cudagraph/{name}": value for name, value in self.last_stats.items()}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        stats = self.last_stats
-        if not next(self._tower.parameters(), torch.empty(0)).is_cuda:
-            rank_zero_info(
-                f"CUDAGraphCallback ({stage}): {stats['sub_batches']:.0f} sub-batches ran the "
-                f"CPU path (no CUDA graphs), padding waste {stats['padding_waste']:.1%}"
-            )
-        else:
-            rank_zero_info(
-                f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
-                f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
-                f"padding waste {stats['padding_waste']:.1%}, "
-                f"{stats['graphs_captured']:.0f} graphs captured in "
-                f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)"
-            )
+        on_cuda = next(self._tower.parameters(), torch.empty(0)).is_cuda
+        report_run(trainer, self.last_stats, stage, on_cuda)
         if not self.keep_graphs:
             self.manager.clear()
             self._binding = None
-
-
-def resolve_module(pl_module: nn.Module, path: str) -> nn.Module:
-    """The submodule at a dotted attribute path, with an error naming what is missing."""
-    try:
-        module = operator.attrgetter(path)(pl_module)
-    except AttributeError:
-        children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
-        raise ValueError(
-            f"module={path!r} does not exist on {type(pl_module).__name__}; "
-            f"its child modules: {children}"
-        ) from None
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"module={path!r} is a {type(module).__name__}, not a torch.nn.Module")
-    return module
-
-
-def reduce_stats(trainer: pl.Trainer, stats: Mapping[str, float]) -> dict[str, float]:
-    """Counters summed over ranks, rates recomputed from the sums."""
-    rates = GraphStats().rates()
-    counters = {name: value for name, value in stats.items() if name not in rates}
-    totals = torch.tensor(
-        list(counters.values()), dtype=torch.float64, device=trainer.strategy.root_device
-    )
-    totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()
-    summed = dict(zip(counters, totals, strict=True))
-    return {**summed, **GraphStats(**summed).rates()}
-
-
-def _check_stages(stages: Any) -> None:
-    if isinstance(stages, str) or not isinstance(stages, Sequence):
-        raise ValueError(
-            f"stages must be a list of stage names from {', '.join(STAGES)}; got stages={stages!r}"
-        )
-    unknown = sorted(set(stages) - set(STAGES))
-    if unknown:
-        raise ValueError(f"stages has {unknown}; allowed: {', '.join(STAGES)}")
 
 
 def _total_batches(batches: Any) -> int | None:
@@ -417,7 +342,3 @@ def _total_batches(batches: Any) -> int | None:
     ):
         return None
     return int(sum(counts))
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    return hasattr(module, "_orig_mod")

@@ -4,7 +4,8 @@ One manager wraps one :class:`~lightning_cg.encoder.GraphableEncoder`. For every
 call it packs the items into sub-batches that fit the budgets, asks each path's
 :class:`~lightning_cg.dispatcher.CudagraphDispatcher` for the key of the
 sub-batch, and replays that key's graph or runs the path eagerly. The work is
-done by parts with one job each, which this façade wires together:
+done by parts with one job each, which this façade wires together and whose
+lifecycle (runs, clearing, learning budgets) it keeps:
 
 - :class:`~lightning_cg.config.GraphConfig`: the validated options;
 - :mod:`lightning_cg.plan`: each path's budgets and dispatcher;
@@ -12,7 +13,9 @@ done by parts with one job each, which this façade wires together:
 - :class:`~lightning_cg.capture_policy.CapturePolicy`: whether a key is worth
   capturing now (on demand, once its replays are expected to repay it);
 - :class:`~lightning_cg.capture.GraphCapturer`: capture and fault recovery;
-- :mod:`lightning_cg.replay`: fill, pad, replay, verify;
+- :class:`~lightning_cg.call_runner.CallRunner`: one call, sub-batch by
+  sub-batch (routing by :class:`~lightning_cg.routing.Router`, replay by
+  :mod:`lightning_cg.replay`: fill, pad, replay, verify);
 - :class:`~lightning_cg.auto_ladder.AutoLadder` and
   :class:`~lightning_cg.measured_dispatch.MeasuredDispatch`: the tuning options;
 - :class:`~lightning_cg.stats.GraphStats`: counters.
@@ -23,15 +26,14 @@ pieces, scatter) without capture. The manager knows nothing of Lightning.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
 from lightning_cg.auto_ladder import AutoLadder
-from lightning_cg.cache import CapturedGraph, GraphCache, GraphSet
-from lightning_cg.call_timer import CallTimer
+from lightning_cg.cache import GraphCache, GraphSet
+from lightning_cg.call_runner import CallRunner
 from lightning_cg.capture import GraphCapturer, ProgressFn, path_keys
 from lightning_cg.capture_policy import CapturePolicy
 from lightning_cg.compiled import CompiledEncoder
@@ -39,10 +41,8 @@ from lightning_cg.config import BudgetConfig, GraphConfig
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.outputs import CallOutputs
-from lightning_cg.packing import pack_items
 from lightning_cg.plan import path_budget_choices, plan_paths
-from lightning_cg.replay import autocast_key, check_replay, replay
-from lightning_cg.routing import Route, Router, SubBatch
+from lightning_cg.replay import autocast_key
 from lightning_cg.stats import GraphStats
 from lightning_cg.weight_casts import weight_casts_for
 
@@ -119,18 +119,16 @@ class EncoderGraphManager:
                 )
             ),
         )
-        self.measured = MeasuredDispatch(encoder, self.cache, self._replay, self._eager_forward)
-        self._timer = CallTimer()
-        self.router = Router(
+        self.runner = CallRunner(
+            encoder,
             self.config,
             self.paths,
             self.cache,
             self.capturer,
             self.policy,
-            self.measured,
             self.stats,
-            self._timer,
             max_items,
+            self.encoder_config.padding_rules,
         )
 
     # ------------------------------------------------------------- public API
@@ -143,11 +141,16 @@ class EncoderGraphManager:
     @property
     def max_items(self) -> int:
         """The most items of one sub-batch."""
-        return self.router.max_items
+        return self.runner.router.max_items
 
     @max_items.setter
     def max_items(self, max_items: int) -> None:
-        self.router.max_items = max_items
+        self.runner.router.max_items = max_items
+
+    @property
+    def measured(self) -> MeasuredDispatch:
+        """Measured dispatch's decision tables (``dispatch="measured"``)."""
+        return self.runner.measured
 
     @property
     def learned_budgets(self) -> dict[str, dict[str, Any]]:
@@ -181,9 +184,8 @@ class EncoderGraphManager:
         self.cache.clear()
         if self.weight_casts is not None:
             self.weight_casts.clear()
-        self.measured.drop()
+        self.runner.forget_graphs()
         self.policy.forget_graphs()
-        self._timer.clear()
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
 
@@ -243,41 +245,13 @@ class EncoderGraphManager:
         return self._run_call(inputs).per_item()
 
     def _run_call(self, inputs: Any) -> CallOutputs:
-        """Route each sub-batch of the call, replay its graphs, then run what is
-        eager as one eager call; the rows are kept per sub-batch."""
         specs = self.encoder.item_specs(inputs)
         self.stats.items += len(specs)
         self.stats.tokens += sum(spec.output_tokens for spec in specs)
-        call = _Call(None, torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
         # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
         if torch.is_grad_enabled() or self._sampling(specs):
-            self._run_eagerly(call, self._sub_batch(inputs, list(range(len(specs))), specs))
-            return call.outputs
-        self.policy.called()
-        self._timer.collect()
-        call.graph_set = GraphSet(self.encoder.graph_signature(inputs), autocast_key())
-        eager_items: list[int] = []
-        eager_routes: list[Route] = []
-        for indices in self._pack(specs):
-            sub_batch = self._sub_batch(inputs, indices, specs)
-            self.stats.sub_batches += 1
-            routes = {
-                path: self.router.route(call.graph_set, path, sub_batch) for path in self.paths
-            }
-            if all(route.eager for route in routes.values()):
-                # Eager sub-batches run together below: one eager call, not one each.
-                eager_items += indices
-                eager_routes += routes.values()
-                continue
-            for path, route in routes.items():
-                self._run_route(call, route, path, sub_batch)
-        if eager_items:
-            eager_batch = self._sub_batch(inputs, sorted(eager_items), specs)
-            self._run_eager_items(call, eager_batch, eager_routes)
-        return call.outputs
-
-    def _sub_batch(self, inputs: Any, indices: list[int], specs: list[ItemSpec]) -> SubBatch:
-        return SubBatch(self.encoder, inputs, len(specs), indices, [specs[i] for i in indices])
+            return self.runner.run_eagerly(inputs, specs)
+        return self.runner.run(inputs, specs)
 
     def _sampling(self, specs: list[ItemSpec]) -> bool:
         """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
@@ -290,119 +264,5 @@ class EncoderGraphManager:
         self.clear()
         return False
 
-    def _pack(self, specs: list[ItemSpec]) -> list[list[int]]:
-        item_tokens = [spec.path_tokens for spec in specs]
-        max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
-        ladders = {path: plan.ladder for path, plan in self.paths.items()}
-        packed = pack_items(
-            item_tokens, self.max_items, max_budgets, self.config.packing, budgets=ladders
-        )
-        # Items in call order: a graph does not care, and consecutive items are
-        # selected as views (every item of the call: the call itself), not gathered.
-        return [sorted(indices) for indices in packed]
-
-    def _run_eagerly(self, call: _Call, sub_batch: SubBatch) -> bool:
-        """Run every path of one sub-batch eagerly; whether any rows are on CUDA."""
-        on_cuda = False
-        for path in self.paths:
-            tokens = sub_batch.tokens(path)
-            if any(tokens):
-                rows = self._eager(call, path, sub_batch)
-                call.outputs.add(path, sub_batch.indices, rows, tokens)
-                on_cuda = on_cuda or rows.is_cuda
-        return on_cuda
-
-    def _run_eager_items(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> None:
-        """Run the items of every all-eager sub-batch in one eager call.
-
-        Keys the policy still needs eager times of share the call's time by tokens.
-        """
-        timed = [route for route in routes if route.key is not None and route.tokens]
-        timed = [route for route in timed if self.policy.wants_eager_timing(route.key)]
-        if not timed:
-            self._run_eagerly(call, sub_batch)
-            return
-        total = sum(route.tokens for route in routes) or 1
-        path_tokens = {path: sum(sub_batch.tokens(path)) for path in self.paths}
-
-        def record(seconds: float) -> None:
-            for route in timed:
-                self.policy.record_eager(route.key, seconds * route.tokens / total, route.tokens)
-            # The call's time by path, by tokens as above, for the path's cost line.
-            for path, tokens in path_tokens.items():
-                if tokens:
-                    self.policy.record_eager_call(path, tokens, seconds * tokens / total)
-
-        with self._timer.timed(record) as timing:
-            timing.on_cuda = self._run_eagerly(call, sub_batch)
-
-    def _run_route(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
-        if route.parts:
-            # Measured dispatch split the sub-batch: each part is routed on its own.
-            for positions in route.parts:
-                part = sub_batch.part(positions)
-                self._run_route(call, self.router.route(call.graph_set, path, part), path, part)
-        elif route.graph is not None:
-            self._run_graph(call, route, path, sub_batch)
-        elif route.tokens:
-            rows = self._eager(call, path, sub_batch)
-            call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
-
-    def _run_graph(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
-        key, graph, total = route.key, route.graph, route.tokens
-        started = time.perf_counter()
-        if self.policy.wants_graph_timing(key):
-            with self._timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
-                rows = self._replay(graph, path, sub_batch.inputs, total)
-                t.on_cuda = rows.is_cuda
-        else:
-            rows = self._replay(graph, path, sub_batch.inputs, total)
-        self.stats.host_seconds += time.perf_counter() - started
-        # Counted once served: a replay that raised (a bad input) is no hit.
-        self.stats.hits += 1
-        self.stats.piecewise_hits += graph.pieces is not None
-        self.stats.real_tokens += total
-        self.stats.padded_tokens += key.descriptor.num_tokens - total
-        if self.config.verify and not graph.verified:
-            check_replay(graph, path, rows, self._eager(call, path, sub_batch))
-        call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
-
-    def _replay(self, graph: CapturedGraph, path: str, inputs: Any, total: int) -> torch.Tensor:
-        return replay(graph, self.encoder, self.encoder_config.padding_rules, path, inputs, total)
-
-    def _eager(self, call: _Call, path: str, sub_batch: SubBatch) -> torch.Tensor:
-        rows = self._eager_forward(path, sub_batch.inputs, call.inference_mode)
-        expected = sum(sub_batch.tokens(path))
-        if rows.shape[0] != expected:
-            raise RuntimeError(
-                f"eager_forward on path {path!r} returned {rows.shape[0]} rows; "
-                f"item_specs promise {expected}"
-            )
-        return rows
-
-    def _eager_forward(self, path: str, inputs: Any, inference_mode: bool = True) -> torch.Tensor:
-        """The path eagerly, in inference mode if asked and the caller is without
-        grad (it launches faster than plain no_grad), else in the caller's mode."""
-        # Never inference_mode(False): entering it turns grad mode on, so a caller
-        # in no_grad would build autograd graphs (host time, saved activations).
-        if inference_mode and not torch.is_grad_enabled():
-            with torch.inference_mode():
-                return self.encoder.eager_forward(path, inputs)
-        return self.encoder.eager_forward(path, inputs)
-
     def _count_compile_seconds(self, seconds: float) -> None:
         self.stats.compile_seconds += seconds
-
-
-class _Call:
-    """What one call carries through its sub-batches: its graph set (None runs
-    everything eagerly), whether the caller was in inference mode, and the rows."""
-
-    __slots__ = ("graph_set", "inference_mode", "outputs")
-
-    def __init__(
-        self, graph_set: GraphSet | None, inference_mode: bool, outputs: CallOutputs
-    ) -> None:
-        self.graph_set = graph_set
-        self.inference_mode = inference_mode
-        self.outputs = outputs

@@ -20,7 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_cg.adapters import adapter_for
-from lightning_cg.callback import CUDAGraphCallback, resolve_module
+from lightning_cg.callback import CUDAGraphCallback
+from lightning_cg.callback_checks import resolve_module
 from lightning_cg.manager import EncoderGraphManager
 from lightning_cg.schema import AppSchema
 

@@ -3,7 +3,8 @@
 For each path of a sub-batch the :class:`Router` looks up the key its plan's
 dispatcher gives, finds the key's graph in the cache or asks the capture
 policy whether capturing it now pays, and applies measured dispatch. It only
-decides: running the route is the manager's job. Routing reads the items'
+decides: running the route is the
+:class:`~lightning_cg.call_runner.CallRunner`'s job. Routing reads the items'
 sizes, not their tensors, so a sub-batch that runs eagerly is never gathered
 (see :class:`SubBatch`).
 """

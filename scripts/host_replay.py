@@ -138,9 +138,9 @@ def main() -> None:
     if args.thread_clock:
         import types
 
-        import lightning_cg.manager
+        import lightning_cg.call_runner
 
-        lightning_cg.manager.time = types.SimpleNamespace(perf_counter=time.thread_time)
+        lightning_cg.call_runner.time = types.SimpleNamespace(perf_counter=time.thread_time)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     if args.profile:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from toy_encoder import ToyEncoder, ToyTower
 
-import lightning_cg.manager
+import lightning_cg.call_runner
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
@@ -150,7 +150,7 @@ def record_replayed_slots(monkeypatch) -> list[int]:
         replayed.append(graph.spec.max_frames)
         return replay(graph, *args)
 
-    monkeypatch.setattr(lightning_cg.manager, "replay", spy)
+    monkeypatch.setattr(lightning_cg.call_runner, "replay", spy)
     return replayed
 
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from toy_encoder import ToyEncoder, ToyTower
 
-import lightning_cg.manager
+import lightning_cg.call_runner
 from lightning_cg import measured
 from lightning_cg.cache import CapturedGraph, GraphCache, GraphSet
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
@@ -271,7 +271,7 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
             replays.append((path, graph.spec.token_budget, total))
         return replay(graph, encoder, padding_rules, path, inputs, total)
 
-    monkeypatch.setattr(lightning_cg.manager, "replay", spy)
+    monkeypatch.setattr(lightning_cg.call_runner, "replay", spy)
     rng = random.Random(str(dtype))
     tolerance = 1e-5 if dtype is torch.float32 else 2e-2
     with torch.no_grad():

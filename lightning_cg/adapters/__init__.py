@@ -58,7 +58,7 @@ def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
 
 
 def _adapter_name_by_type(tower: nn.Module) -> str:
-    from lightning_cg.adapters.hf import is_transformers_tower
+    from lightning_cg.adapters.hf_optional import is_transformers_tower
     from lightning_cg.adapters.qwen import qwen_tower_kind
     from lightning_cg.models.packed_vit import PackedViT
 

@@ -21,16 +21,16 @@ batch row is one item costing one token on the path ``image``; beyond it:
   (:mod:`~lightning_cg.adapters.structured`) and rebuilt afterwards: the same
   type, the same fields, None fields None, ``return_dict=False`` a tuple.
 
-transformers is optional (``pip install 'lightning-cg[hf]'``): importing this
-module does not import it; building the adapter does.
+A call sorted by kind of argument and its graph signature are
+:mod:`~lightning_cg.adapters.hf_calls`'s. transformers is optional
+(:mod:`~lightning_cg.adapters.hf_optional`): importing this module does not
+import it; building the adapter does.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,65 +38,25 @@ from torch import nn
 
 from lightning_cg.adapters import join_rows, select_rows
 from lightning_cg.adapters.batched import IMAGE_PATH, BatchedEncoderAdapter, dummy_rows
+from lightning_cg.adapters.hf_calls import (
+    CONFIG_FLAGS,
+    PER_ITEM_INPUTS,
+    SHARED_INPUTS,
+    HFCallSignature,
+    HFInputs,
+    batched_spec,
+    hashable_option,
+    whole_spec,
+)
+
+# is_transformers_tower: re-exported, users import it from here.
+from lightning_cg.adapters.hf_optional import is_transformers_tower as is_transformers_tower
+from lightning_cg.adapters.hf_optional import require_transformers
 from lightning_cg.adapters.structured import RowLayout, output_rows
 from lightning_cg.encoder import CaptureSpec, ItemSpec
 
-#: Where to get the optional dependency.
-INSTALL_HINT = "pip install 'lightning-cg[hf]'"
-#: Tensor arguments that hold one row per item: padded and split with the pixels.
-PER_ITEM_INPUTS = ("bool_masked_pos", "attention_mask", "pixel_attention_mask", "pixel_mask")
-#: Tensor arguments that apply to the whole batch: copied whole into every replay.
-SHARED_INPUTS = ("head_mask",)
-#: Config fields that transformers reads when the call leaves them out: they
-#: change the computation or the output, so they join the graph signature.
-CONFIG_FLAGS = ("return_dict", "output_hidden_states", "output_attentions", "_attn_implementation")
 #: Separates an argument's name from its call's index in a static buffer's name.
 _CALL_MARK = "@"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape (per item for batched tensors), dtype and device of a tensor argument."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-
-@dataclass(frozen=True)
-class HFCallSignature:
-    """What one set of graphs is captured for.
-
-    Attributes:
-        pixels: the per-item shape, dtype and device of the pixel batch.
-        per_item: tensor arguments with a row per item, by name.
-        shared: tensor arguments of the whole batch, by name.
-        options: every other argument (flags, None), by name.
-        config: the tower config's :data:`CONFIG_FLAGS`.
-    """
-
-    pixels: TensorSpec
-    per_item: tuple[tuple[str, TensorSpec], ...]
-    shared: tuple[tuple[str, TensorSpec], ...]
-    options: tuple[tuple[str, Hashable], ...]
-    config: tuple[tuple[str, Hashable], ...]
-
-
-@dataclass(frozen=True)
-class HFInputs:
-    """One call of the tower, sorted by kind of argument.
-
-    Attributes:
-        pixels: the pixel batch, ``[B, ...]``.
-        per_item: tensor arguments with ``B`` rows, split with the pixels.
-        shared: tensor arguments passed whole to every sub-batch.
-        signature: the call's :class:`HFCallSignature` (its options included).
-    """
-
-    pixels: torch.Tensor
-    per_item: Mapping[str, torch.Tensor]
-    shared: Mapping[str, torch.Tensor]
-    signature: HFCallSignature
 
 
 class HFEncoderAdapter(BatchedEncoderAdapter):
@@ -182,11 +142,11 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
                 target = per_item if self._is_per_item(name, value, len(pixels)) else shared
                 target[name] = value
             else:
-                options[name] = _hashable_option(name, value)
+                options[name] = hashable_option(name, value)
         signature = HFCallSignature(
-            pixels=_batched_spec(pixels),
-            per_item=tuple((name, _batched_spec(value)) for name, value in per_item.items()),
-            shared=tuple((name, _whole_spec(value)) for name, value in shared.items()),
+            pixels=batched_spec(pixels),
+            per_item=tuple((name, batched_spec(value)) for name, value in per_item.items()),
+            shared=tuple((name, whole_spec(value)) for name, value in shared.items()),
             options=tuple(options.items()),
             config=self._config_flags(),
         )
@@ -357,50 +317,6 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             f"lightning_cg.encoder.GraphableEncoder for {type(self.tower).__name__} to graph "
             "other calling conventions."
         )
-
-
-def require_transformers(what: str) -> Any:
-    """The transformers module, or an ImportError that says how to install it."""
-    try:
-        import transformers
-    except ImportError as error:
-        raise ImportError(
-            f"{what} needs the optional dependency transformers, which is not installed: "
-            f"{INSTALL_HINT}"
-        ) from error
-    return transformers
-
-
-def is_transformers_tower(tower: nn.Module) -> bool:
-    """Whether ``tower`` is a transformers ``PreTrainedModel`` whose forward takes
-    ``pixel_values`` (the towers :class:`HFEncoderAdapter` is chosen for by type).
-
-    Never imports transformers: without it loaded no tower can be one of its models.
-    """
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(tower, transformers.PreTrainedModel):
-        return False
-    return "pixel_values" in inspect.signature(type(tower).forward).parameters
-
-
-def _batched_spec(tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(tuple(tensor.shape[1:]), tensor.dtype, tensor.device)
-
-
-def _whole_spec(tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(tuple(tensor.shape), tensor.dtype, tensor.device)
-
-
-def _hashable_option(name: str, value: Any) -> Hashable:
-    try:
-        hash(value)
-    except TypeError:
-        raise ValueError(
-            f"argument {name}={value!r} is neither a tensor nor hashable; graphs are "
-            "captured per value of every non-tensor argument, so it must be hashable "
-            "(a bool, a number, a string, None, a tuple)"
-        ) from None
-    return value
 
 
 def _autocast_state() -> tuple:

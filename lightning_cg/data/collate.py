@@ -42,7 +42,7 @@ def collate_packed(
         ``pixel_patches`` ``[sum(t*h*w), C*tp*p*p]``, ``grid_thw`` ``[N, 3]`` and
         ``targets`` ``[N]``.
     """
-    from lightning_cg.models.packed_vit import patchify
+    from lightning_cg.models.packed_patches import patchify
 
     items, targets = zip(*samples, strict=True)
     pixel_patches, grid_thw = patchify(list(items), patch_size, merge_size, temporal_patch_size)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cg.adapters.hf import require_transformers
+from lightning_cg.adapters.hf_optional import require_transformers
 from lightning_cg.models.lit import Batch, VisionClassifier
 
 #: CLIP ViT-B/16's vision tower (openai/clip-vit-base-patch16).

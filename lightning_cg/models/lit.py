@@ -103,7 +103,7 @@ class VisionClassifier(pl.LightningModule):
         return F.cross_entropy(self.head(self.embed(batch)), batch["targets"])
 
     def _tokens_per_item(self, grid_thw: torch.Tensor) -> list[int]:
-        from lightning_cg.models.packed_vit import tokens_per_item
+        from lightning_cg.models.packed_patches import tokens_per_item
 
         config = getattr(self.vision_tower, "config", None)
         if not hasattr(config, "spatial_merge_size"):

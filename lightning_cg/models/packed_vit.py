@@ -10,7 +10,9 @@ The forward is split so that a CUDA graph can be captured:
 :meth:`PackedViT.host_metadata` turns ``grid_thw`` into small integer tensors on
 the host (frame offsets and patch positions), and :meth:`PackedViT.forward_packed`
 is the graphable body (no host syncs, no data-dependent shapes); it computes the
-rotary tables from the positions on the device.
+rotary tables from the positions on the device. The sizes are
+:mod:`~lightning_cg.models.packed_vit_config`'s, the patch layout
+:mod:`~lightning_cg.models.packed_patches`'.
 
 Example:
     >>> config = PackedViTConfig(hidden_size=64, depth=2, num_heads=4, patch_size=4,
@@ -23,168 +25,44 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_cg.attention import Attend, sequence_attention, varlen_supported
-from lightning_cg.attention import block_diagonal_mask as block_diagonal_mask  # re-exported
+from lightning_cg.attention import Attend, block_diagonal_mask, sequence_attention, varlen_supported
+from lightning_cg.models.packed_patches import (
+    GridTHW,
+    as_grid,
+    local_tokens,
+    patch_offsets,
+    patchify,
+    patchify_frames,
+    tokens_per_item,
+    unpatchify_frame,
+)
+from lightning_cg.models.packed_vit_config import (
+    PackedViTConfig,
+    packed_vit_config,
+    packed_vit_small_config,
+)
 from lightning_cg.models.patch_positions import packed_positions
 
-#: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
-GridTHW = torch.Tensor | Sequence[Sequence[int]]
+# The family's config, presets and patch layout are re-exported: they import from here too.
+__all__ = [
+    "GridTHW",
+    "PackedViT",
+    "PackedViTConfig",
+    "block_diagonal_mask",
+    "packed_vit_config",
+    "packed_vit_small_config",
+    "patchify",
+    "tokens_per_item",
+]
 
 _ROPE_THETA = 10000.0
 _LAYER_NORM_EPS = 1e-6  # torchvision's, so its weights load unchanged
-
-
-@dataclass
-class PackedViTConfig:
-    """Sizes of a :class:`PackedViT`.
-
-    Attributes:
-        hidden_size: width of the transformer blocks.
-        depth: number of transformer blocks.
-        num_heads: attention heads; ``hidden_size / num_heads`` must be a multiple
-            of 4 (half of each head rotates by row, half by column).
-        patch_size: side of a square patch in pixels.
-        out_hidden_size: width of one output token (after the patch merger).
-        in_channels: channels of an input frame.
-        spatial_merge_size: side of the window of patches merged into one token.
-        mlp_ratio: MLP hidden width over ``hidden_size``.
-        global_view: also encode a fixed low-resolution view of each item's first
-            frame and append its tokens to the item's output.
-        global_grid: side, in patches, of the global view; a multiple of
-            ``spatial_merge_size``.
-    """
-
-    hidden_size: int
-    depth: int
-    num_heads: int
-    patch_size: int
-    out_hidden_size: int
-    in_channels: int = 3
-    spatial_merge_size: int = 2
-    mlp_ratio: float = 4.0
-    global_view: bool = False
-    global_grid: int = 16
-
-    def __post_init__(self) -> None:
-        for name in (
-            "hidden_size",
-            "depth",
-            "num_heads",
-            "patch_size",
-            "out_hidden_size",
-            "in_channels",
-            "spatial_merge_size",
-            "global_grid",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PackedViTConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % (4 * self.num_heads):
-            raise ValueError(
-                f"PackedViTConfig.hidden_size ({self.hidden_size}) must be a multiple of "
-                f"4 * num_heads ({4 * self.num_heads}) for 2D rotary embeddings"
-            )
-        if self.global_grid % self.spatial_merge_size:
-            raise ValueError(
-                f"PackedViTConfig.global_grid ({self.global_grid}) must be a multiple of "
-                f"spatial_merge_size ({self.spatial_merge_size})"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Width of one row of ``pixel_patches``: ``in_channels * patch_size**2``."""
-        return self.in_channels * self.patch_size**2
-
-    @property
-    def mlp_hidden_size(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
-
-    @property
-    def global_tokens(self) -> int:
-        """Output tokens of one item's global view (whether or not it is on)."""
-        return (self.global_grid // self.spatial_merge_size) ** 2
-
-
-def packed_vit_config(**overrides) -> PackedViTConfig:
-    """The Qwen2-VL-sized tower: 1280 wide, 32 blocks, patch 14, 1536-wide tokens."""
-    base = PackedViTConfig(
-        hidden_size=1280, depth=32, num_heads=16, patch_size=14, out_hidden_size=1536
-    )
-    return replace(base, **overrides)
-
-
-def packed_vit_small_config(**overrides) -> PackedViTConfig:
-    """A ViT-B/16-sized tower; :meth:`PackedViT.load_torchvision_vit` fills it from ``vit_b_16``."""
-    base = PackedViTConfig(
-        hidden_size=768, depth=12, num_heads=12, patch_size=16, out_hidden_size=768
-    )
-    return replace(base, **overrides)
-
-
-def patchify(
-    items: Sequence[torch.Tensor],
-    patch_size: int,
-    spatial_merge_size: int = 2,
-    temporal_patch_size: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut images and videos into packed patches.
-
-    Rows go item after item, frame after frame, and within a frame window after
-    window (row-major) so that every ``merge x merge`` window is consecutive rows,
-    themselves row-major. A row is one patch flattened as ``(C, p, p)``, or with
-    a temporal patch (the Qwen vision towers' ``temporal_patch_size``) as
-    ``(C, tp, p, p)`` over ``tp`` consecutive frames: an item's frames are
-    padded to a multiple of ``tp`` by repeating its last frame, as the Qwen
-    processors do.
-
-    Args:
-        items: images ``[C, H, W]`` and videos ``[T, C, H, W]``; ``H`` and ``W``
-            multiples of ``patch_size * spatial_merge_size``.
-        patch_size: side of a patch in pixels.
-        spatial_merge_size: side of a merge window in patches.
-        temporal_patch_size: frames in one patch.
-
-    Returns:
-        ``pixel_patches`` ``(sum(t*h*w), C*tp*p*p)`` and ``grid_thw``, a CPU
-        ``LongTensor`` ``(N, 3)`` of frames (``ceil(T / tp)``) and patch rows and
-        columns per item.
-    """
-    if temporal_patch_size < 1:
-        raise ValueError(f"temporal_patch_size must be >= 1, got {temporal_patch_size}")
-    side = patch_size * spatial_merge_size
-    patches, grid = [], []
-    for index, item in enumerate(items):
-        frames = item[None] if item.dim() == 3 else item  # (T, C, H, W)
-        if frames.dim() != 4 or frames.shape[-2] % side or frames.shape[-1] % side:
-            raise ValueError(
-                f"items[{index}] has shape {tuple(item.shape)}; expected [C, H, W] or "
-                f"[T, C, H, W] with H and W multiples of {side}"
-            )
-        missing = -frames.shape[0] % temporal_patch_size
-        frames = torch.cat([frames, frames[-1:].expand(missing, -1, -1, -1)])
-        patches.append(
-            _patchify_frames(frames, patch_size, spatial_merge_size, temporal_patch_size)
-        )
-        t, _, height, width = frames.shape
-        grid.append((t // temporal_patch_size, height // patch_size, width // patch_size))
-    return torch.cat(patches), torch.tensor(grid, dtype=torch.long).reshape(-1, 3)
-
-
-def tokens_per_item(grid_thw: GridTHW, config: PackedViTConfig) -> list[int]:
-    """Output rows of each item of :meth:`PackedViT.forward`, global view included."""
-    extra = config.global_tokens if config.global_view else 0
-    return [tokens + extra for tokens in _local_tokens(_as_grid(grid_thw), config)]
 
 
 class PackedViT(nn.Module):
@@ -213,22 +91,22 @@ class PackedViT(nn.Module):
             ``(sum(tokens_per_item), out_hidden_size)``: per item, in item order, its
             local tokens followed by its global tokens (when ``config.global_view``).
         """
-        grid = _as_grid(grid_thw)
+        grid = as_grid(grid_thw)
         local = self.encode_local(pixel_patches, grid)
         if not self.config.global_view or not grid:
             return local
-        local_rows = local.split(_local_tokens(grid, self.config))
+        local_rows = local.split(local_tokens(grid, self.config))
         global_rows = self.encode_global(pixel_patches, grid).split(self.config.global_tokens)
         return torch.cat([local[:0], *itertools.chain(*zip(local_rows, global_rows, strict=True))])
 
     def encode_local(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
         """The native-resolution path: ``(sum(t*h*w) / merge**2, out_hidden_size)``."""
-        return self._encode(pixel_patches, _as_grid(grid_thw))
+        return self._encode(pixel_patches, as_grid(grid_thw))
 
     def encode_global(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
         """The global-view path: ``(N * config.global_tokens, out_hidden_size)``."""
         patches, grid = self.global_view_patches(pixel_patches, grid_thw)
-        return self._encode(patches, _as_grid(grid))
+        return self._encode(patches, as_grid(grid))
 
     def global_view_patches(
         self, pixel_patches: torch.Tensor, grid_thw: GridTHW
@@ -243,16 +121,16 @@ class PackedViT(nn.Module):
             CPU ``LongTensor`` of ``(1, global_grid, global_grid)`` rows.
         """
         cfg = self.config
-        grid = _as_grid(grid_thw)
+        grid = as_grid(grid_thw)
         side = cfg.global_grid * cfg.patch_size
         views = []
-        for start, (_, h, w) in zip(_patch_offsets(grid)[:-1], grid, strict=True):
-            frame = _unpatchify_frame(pixel_patches[start : start + h * w], h, w, cfg)  # (C, H, W)
+        for start, (_, h, w) in zip(patch_offsets(grid)[:-1], grid, strict=True):
+            frame = unpatchify_frame(pixel_patches[start : start + h * w], h, w, cfg)  # (C, H, W)
             resized = F.interpolate(
                 frame[None].float(), size=(side, side), mode="bilinear", antialias=False
             )
             views.append(
-                _patchify_frames(
+                patchify_frames(
                     resized.to(pixel_patches.dtype), cfg.patch_size, cfg.spatial_merge_size
                 )
             )
@@ -272,7 +150,7 @@ class PackedViT(nn.Module):
             ``cu_seqlens`` int32 ``(frames + 1,)``: one sequence per frame;
             ``positions`` int32 ``(patches, 2)``: each patch's row and column.
         """
-        grid = _as_grid(grid_thw)
+        grid = as_grid(grid_thw)
         frames = [(h, w) for t, h, w in grid for _ in range(t)]
         # numpy, then one wrap: torch.tensor of a list costs several times more host time.
         offsets = np.array([0, *itertools.accumulate(h * w for h, w in frames)], np.int32)
@@ -448,40 +326,6 @@ def _init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)
         nn.init.zeros_(module.bias)
-
-
-def _as_grid(grid_thw: GridTHW) -> list[tuple[int, int, int]]:
-    rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
-    return [(int(t), int(h), int(w)) for t, h, w in rows]
-
-
-def _local_tokens(grid: list[tuple[int, int, int]], config: PackedViTConfig) -> list[int]:
-    return [t * h * w // config.spatial_merge_size**2 for t, h, w in grid]
-
-
-def _patch_offsets(grid: list[tuple[int, int, int]]) -> list[int]:
-    return [0, *itertools.accumulate(t * h * w for t, h, w in grid)]
-
-
-def _patchify_frames(
-    frames: torch.Tensor, patch: int, merge: int, temporal: int = 1
-) -> torch.Tensor:
-    """``(T, C, H, W) -> (T/tp*h*w, C*tp*p*p)`` in merge-window order; ``T`` a multiple of tp."""
-    frame_count, c, height, width = frames.shape
-    t, h, w = frame_count // temporal, height // patch, width // patch
-    x = frames.reshape(t, temporal, c, h // merge, merge, patch, w // merge, merge, patch)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h/m, w/m, m, m, c, tp, p, p)
-    return x.reshape(t * h * w, c * temporal * patch * patch)
-
-
-def _unpatchify_frame(
-    patches: torch.Tensor, h: int, w: int, config: PackedViTConfig
-) -> torch.Tensor:
-    """The inverse of :func:`_patchify_frames` for one frame: ``(h*w, C*p*p) -> (C, H, W)``."""
-    c, p, m = config.in_channels, config.patch_size, config.spatial_merge_size
-    x = patches.reshape(h // m, w // m, m, m, c, p, p)
-    x = x.permute(4, 0, 2, 5, 1, 3, 6)  # (c, h/m, m, p, w/m, m, p)
-    return x.reshape(c, h * p, w * p)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

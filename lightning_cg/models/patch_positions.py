@@ -2,7 +2,7 @@
 
 A frame of ``h x w`` patches is packed window after window (row-major), each
 ``merge x merge`` window's patches row-major (see
-:func:`lightning_cg.models.packed_vit.patchify`). Window rows come one after
+:func:`lightning_cg.models.packed_patches.patchify`). Window rows come one after
 another, so the positions of an ``h x w`` frame are the first ``h * w`` rows of
 those of any taller frame of the same width: one table per width serves every
 height up to its own. Frame sizes are cached as views of those tables, so
