@@ -137,8 +137,8 @@ class PackedViT(nn.Module):
         view_grid = torch.tensor([[1, cfg.global_grid, cfg.global_grid]] * len(grid))
         return torch.cat([pixel_patches[:0], *views]), view_grid.reshape(-1, 3)
 
-    # Host work on numpy: torch.compile of the tower runs it eagerly (dynamo's guards on
-    # torch.from_numpy fail under inference mode, torch 2.11-2.14).
+    # Host work on numpy: torch.compile of the tower runs it eagerly (dynamo's guards
+    # on torch.from_numpy fail, under no_grad and inference mode; torch 2.11 and 2.14).
     @torch.compiler.disable
     def host_metadata(self, grid_thw: GridTHW) -> dict[str, torch.Tensor]:
         """The attention and position tensors :meth:`forward_packed` reads, on the host.
