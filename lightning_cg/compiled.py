@@ -3,9 +3,12 @@
 Inductor fuses the tower's small ops into fewer, larger kernels; a CUDA graph
 captured over them replays fewer kernels than one over the eager forward
 (DESIGN.md, issue 5: one 1024-patch image in 0.99 ms against 1.49 ms). The
-graph forward is compiled once, with dynamic shapes, so every budget reuses the
-same code, and in the default mode: the manager does the graphing, so
-inductor's own cudagraphs (``reduce-overhead``) stay off.
+adapter's ``compile_shapes`` says how: ``dynamic`` compiles once with symbolic
+sizes, so a packed tower's many budgets reuse the same code; ``static``
+compiles the first budget's shapes as they are (faster kernels, a shorter
+compile) and leaves a second budget to torch.compile's automatic dynamic
+shapes. The mode is the default: the manager does the graphing, so inductor's
+own cudagraphs (``reduce-overhead``) stay off.
 """
 
 from __future__ import annotations
@@ -42,13 +45,15 @@ class CompiledEncoder:
     Every method but :meth:`graph_forward` calls the wrapped encoder's, so the
     eager path, the item specs and the buffers stay as they are. Compilation
     happens at the first graph forward of each path (the manager's warm-up
-    before capture); :attr:`compile_seconds` adds up those first calls.
+    before capture), and with static shapes also at the first graph forward of
+    a path's new buffer shapes; :attr:`compile_seconds` adds up those calls.
 
     Args:
         encoder: the adapter to wrap.
         backend: the ``torch.compile`` backend; ``inductor`` generates the
-            fused kernels, ``eager`` / ``aot_eager`` only trace (for tests).
-        on_compile: called with the seconds of each path's first graph forward.
+            fused kernels, ``eager`` / ``aot_eager`` (or a callable) only trace
+            (for tests).
+        on_compile: called with the seconds of each graph forward that may compile.
 
     Example:
         >>> manager = EncoderGraphManager(CompiledEncoder(PackedEncoderAdapter(tower)))
@@ -58,7 +63,7 @@ class CompiledEncoder:
     def __init__(
         self,
         encoder: GraphableEncoder,
-        backend: str = "inductor",
+        backend: str | Callable = "inductor",
         on_compile: Callable[[float], None] | None = None,
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
@@ -67,13 +72,20 @@ class CompiledEncoder:
                 f"got {type(encoder)!r}"
             )
         self.encoder = encoder
+        #: Whether a path's new buffer shapes compile (``compile_shapes="static"``).
+        self.static_shapes = encoder.graph_config().compile_shapes == "static"
         self.compiled_forward = torch.compile(
-            encoder.graph_forward, dynamic=True, fullgraph=False, mode=None, backend=backend
+            encoder.graph_forward,
+            # None: torch.compile's automatic dynamic shapes, static until a size changes.
+            dynamic=None if self.static_shapes else True,
+            fullgraph=False,
+            mode=None,
+            backend=backend,
         )
-        #: Seconds the first graph forward of each path took: compilation, mostly.
+        #: Seconds of the graph forwards that may compile: compilation, mostly.
         self.compile_seconds = 0.0
         self.on_compile = on_compile
-        self._compiled_paths: set[str] = set()
+        self._compiled: set[Hashable] = set()
 
     # The protocol's methods are spelled out: isinstance checks of runtime
     # protocols look them up statically (Python >= 3.12), past __getattr__.
@@ -110,16 +122,28 @@ class CompiledEncoder:
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The wrapped encoder's graph forward, compiled."""
-        if path in self._compiled_paths:
+        compiled_for = self._compiled_for(path, buffers)
+        if compiled_for in self._compiled:
             return self.compiled_forward(path, buffers)
         started = time.perf_counter()
         output = self.compiled_forward(path, buffers)
         seconds = time.perf_counter() - started
         self.compile_seconds += seconds
-        self._compiled_paths.add(path)
+        self._compiled.add(compiled_for)
         if self.on_compile is not None:
             self.on_compile(seconds)
         return output
+
+    def _compiled_for(self, path: str, buffers: Mapping[str, torch.Tensor]) -> Hashable:
+        """What one compile serves: the path, and with static shapes its buffers' shapes.
+
+        With static shapes, the third and later shapes of a path reuse the
+        second's symbolic code; their first forward counts all the same (one
+        forward's time, where a compile takes seconds).
+        """
+        if not self.static_shapes:
+            return path
+        return path, tuple((name, tuple(tensor.shape)) for name, tensor in buffers.items())
 
     def __getattr__(self, name: str) -> Any:
         # Only called for what this class lacks: the adapter's own attributes

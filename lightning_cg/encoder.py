@@ -27,6 +27,8 @@ import torch
 #: cumulative offsets such as ``cu_seqlens`` into empty sequences, so padding
 #: tokens cost no attention.
 PADDING_RULES = ("zero", "repeat_last")
+#: How ``compile=True`` treats a graph forward's shapes (:attr:`EncoderGraphConfig.compile_shapes`).
+COMPILE_SHAPES = ("static", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,13 @@ class EncoderGraphConfig:
             buffers not named are zero-padded.
         max_frames_per_item: most frames one item may have (1 for images).
         out_hidden_size: width of one output token.
+        compile_shapes: how ``compile=True`` compiles the graph forward.
+            ``dynamic``: once, with symbolic sizes, for every budget (packed
+            towers, whose calls need many token budgets). ``static``: the first
+            budget's shapes as they are, which gives faster kernels and a
+            shorter compile, and a recompile with the sizes that changed made
+            symbolic once a second budget is captured (torch.compile's default;
+            for batch-first towers, whose calls come in one or two batch sizes).
     """
 
     modalities: tuple[str, ...]
@@ -87,6 +96,7 @@ class EncoderGraphConfig:
     padding_rules: Mapping[str, str] = field(default_factory=dict)
     max_frames_per_item: int = 1
     out_hidden_size: int = 0
+    compile_shapes: str = "dynamic"
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -97,6 +107,11 @@ class EncoderGraphConfig:
                     f"EncoderGraphConfig.padding_rules[{name!r}] is {rule!r}; "
                     f"allowed: {', '.join(PADDING_RULES)}"
                 )
+        if self.compile_shapes not in COMPILE_SHAPES:
+            raise ValueError(
+                f"EncoderGraphConfig.compile_shapes is {self.compile_shapes!r}; "
+                f"allowed: {', '.join(COMPILE_SHAPES)}"
+            )
 
 
 @dataclass(frozen=True)

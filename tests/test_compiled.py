@@ -1,11 +1,14 @@
 import functools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch import nn
 from toy_encoder import ToyEncoder, ToyTower
 
 import lightning_cg.manager as manager_module
+from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.encoder import GraphableEncoder
 from lightning_cg.manager import EncoderGraphManager
@@ -54,6 +57,53 @@ def test_manager_replays_the_compiled_forward():
     assert manager.stats.hits > 0
     assert len(compiled) == 2  # one path each
     assert encoder.compile_seconds == pytest.approx(sum(compiled)) and sum(compiled) > 0
+
+
+class ShapeRecordingBackend:
+    """A ``torch.compile`` backend that runs the traced graph as it is and records,
+    per compile, whether its sizes were symbolic (a SymInt among its inputs)."""
+
+    def __init__(self) -> None:
+        self.symbolic: list[bool] = []
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.symbolic.append(any(isinstance(value, torch.SymInt) for value in example_inputs))
+        return graph_module.forward
+
+
+def test_static_shapes_compile_the_first_budget_as_is_then_once_with_a_symbolic_batch():
+    torch.manual_seed(0)
+    tower = nn.Sequential(nn.Flatten(), nn.Linear(12, 4)).eval()
+    backend, compiles = ShapeRecordingBackend(), []
+    adapter = BatchedEncoderAdapter(tower)
+    assert adapter.graph_config().compile_shapes == "static"
+    encoder = CompiledEncoder(adapter, backend=backend, on_compile=compiles.append)
+    manager = EncoderGraphManager(encoder, capture="first_use")
+    with torch.no_grad():
+        for batch_size in (1, 2, 3, 8, 1, 2):  # budgets 1, 2, 4, 8 of the pow2 ladder
+            images = torch.randn(batch_size, 3, 2, 2)
+            actual = manager.execute(encoder.inputs_from_call((images,), {}))
+            torch.testing.assert_close(actual, tower(images))
+    assert manager.stats.hits == 6
+    # Budget 1 compiled static; budget 2 recompiled with the batch symbolic, which
+    # budgets 4 and 8 reuse.
+    assert backend.symbolic == [False, True]
+    # Each budget's first forward is counted: the policy leaves compiles out of capture cost.
+    assert len(compiles) == 4
+
+
+def test_dynamic_shapes_compile_once_per_path_with_symbolic_sizes():
+    torch.manual_seed(0)
+    tower = ToyTower(global_tokens=4).eval()
+    backend, compiles = ShapeRecordingBackend(), []
+    encoder = CompiledEncoder(ToyEncoder(tower), backend=backend, on_compile=compiles.append)
+    assert encoder.graph_config().compile_shapes == "dynamic"
+    manager = EncoderGraphManager(encoder, capture="first_use")
+    check_parity(manager, tower, 1e-5)
+    assert len(manager.cache) > 2  # several budgets per path
+    # At most one compile per path, symbolic from the first: no budget recompiles.
+    assert 1 <= len(backend.symbolic) <= 2 and all(backend.symbolic)
+    assert len(compiles) == 2  # each path's first forward
 
 
 @pytest.mark.cuda

