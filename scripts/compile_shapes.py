@@ -1,8 +1,8 @@
 """Static against dynamic shapes for ``compile: true``: one CUDA graph replay of
 packed_vit_small's compiled ``forward_packed`` on one batch, compiled with
-``dynamic=True`` (what :class:`~lightning_cg.compiled.CompiledEncoder` does,
-once for every budget) and with ``dynamic=False`` (one compile per shape, as
-reduce-overhead specialises).
+``dynamic=True`` (what :class:`~lightning_cg.compiled.CompiledEncoder` does for
+a packed tower, once for every budget) and with ``dynamic=False`` (one compile
+per shape, as reduce-overhead specialises).
 
     python scripts/compile_shapes.py    # CUDA only; bf16, random weights
 
