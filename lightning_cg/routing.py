@@ -218,8 +218,8 @@ class Router:
         keys = path_keys(key.graph_set, key.path, plan) if whole_ladder else [key]
         compile_before = self.stats.compile_seconds
         seconds = self.capturer.capture(keys, self.max_items)
-        # A compiled forward compiles once per path, at its first capture: a cost
-        # paid once, not one that each further key of the path would pay again.
+        # A compiled forward compiles at a path's first capture (with static
+        # shapes, also at a new budget's): paid once, not by each further key.
         seconds -= self.stats.compile_seconds - compile_before
         self.policy.record_capture(key, seconds / max(len(keys), 1))
 
