@@ -68,10 +68,6 @@ class WeightCasts:
         self._tower = tower
         self._copies: dict[torch.dtype, list[_Copy]] = {}
 
-    def has_copies(self) -> bool:
-        """Whether a graph may read copies (one was captured with them)."""
-        return bool(self._copies)
-
     @contextlib.contextmanager
     def swapped_in(self, dtype: torch.dtype | None) -> Iterator[None]:
         """The tower with its served weights as ``dtype`` copies; a no-op for
