@@ -57,8 +57,9 @@ class BatchedEncoderAdapter:
 
         ``out_hidden_size`` stays 0: the output shape is only known once the
         tower has run. Compiled with static shapes: a run's batches come in one
-        or two sizes (on an H200, vit_b_16 batch 8 replays in 2.19 ms compiled
-        static, 2.42 ms compiled dynamic; the compile takes 8.5 s, not 27 s).
+        or two sizes, and static kernels are faster (on an H200, vit_b_16 batch
+        8 through the Trainer: 3.17x eager compiled static, 2.24x dynamic;
+        BENCHMARKS.md, "Ninth session").
         """
         return EncoderGraphConfig(
             modalities=("image",),
