@@ -58,8 +58,8 @@ class BatchedEncoderAdapter:
         ``out_hidden_size`` stays 0: the output shape is only known once the
         tower has run. Compiled with static shapes: a run's batches come in one
         or two sizes, and static kernels are faster (on an H200, vit_b_16 batch
-        8 through the Trainer: 3.17x eager compiled static, 2.24x dynamic;
-        BENCHMARKS.md, "Ninth session").
+        8 through the Trainer: 1.06x faster than reduce-overhead compiled
+        static, 0.96x compiled dynamic; BENCHMARKS.md, "Ninth session").
         """
         return EncoderGraphConfig(
             modalities=("image",),
