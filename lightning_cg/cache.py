@@ -23,10 +23,20 @@ from lightning_cg.static_inputs import StaticInputs
 
 @dataclass(frozen=True)
 class GraphSet:
-    """The batches one set of graphs serves: adapter signature and autocast state."""
+    """The batches one set of graphs serves: adapter signature and autocast state.
+
+    Hashed on every key lookup of a call, so its hash is computed once.
+    """
 
     signature: Hashable
     autocast: tuple = ()
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.signature, self.autocast)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)

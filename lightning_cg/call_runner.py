@@ -24,6 +24,7 @@ from lightning_cg.capture_policy import CapturePolicy
 from lightning_cg.config import GraphConfig
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
+from lightning_cg.memo import StateMemo
 from lightning_cg.outputs import CallOutputs
 from lightning_cg.packing import pack_items
 from lightning_cg.plan import PathPlan
@@ -66,6 +67,8 @@ class CallRunner:
         self.stats = stats
         self.padding_rules = padding_rules
         self.timer = CallTimer()
+        #: Sub-batches by call shape; shared lists, never changed.
+        self._packings: StateMemo[list[list[int]]] = StateMemo()
         #: Measured dispatch's decision tables (``dispatch="measured"``).
         self.measured = MeasuredDispatch(encoder, cache, self._replay, self._eager_forward)
         self.router = Router(
@@ -114,7 +117,15 @@ class CallRunner:
         return SubBatch(self.encoder, inputs, len(specs), indices, [specs[i] for i in indices])
 
     def _pack(self, specs: list[ItemSpec]) -> list[list[int]]:
+        """The sub-batches of the call's items, remembered per call shape: packing
+        depends on the items' tokens, the item cap and the budgets alone (a
+        plan's dispatcher is replaced whenever its budgets change)."""
         item_tokens = [spec.path_tokens for spec in specs]
+        shape = tuple(tuple(tokens.items()) for tokens in item_tokens)
+        state = (self.router.max_items, *(plan.dispatcher for plan in self.paths.values()))
+        return self._packings.get(shape, state, lambda: self._pack_now(item_tokens))
+
+    def _pack_now(self, item_tokens: list[dict[str, int]]) -> list[list[int]]:
         max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
         ladders = {path: plan.ladder for path, plan in self.paths.items()}
         packed = pack_items(
@@ -208,7 +219,8 @@ class CallRunner:
         grad (it launches faster than plain no_grad), else in the caller's mode."""
         # Never inference_mode(False): entering it turns grad mode on, so a caller
         # in no_grad would build autograd graphs (host time, saved activations).
-        if inference_mode and not torch.is_grad_enabled():
+        # Entering it again when it is on costs host time and changes nothing.
+        if inference_mode and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 return self.encoder.eager_forward(path, inputs)
         return self.encoder.eager_forward(path, inputs)

@@ -24,6 +24,7 @@ from lightning_cg.config import GraphConfig
 from lightning_cg.dispatcher import BatchDescriptor, GraphMode
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
+from lightning_cg.memo import StateMemo
 from lightning_cg.plan import PathPlan, frames_fit_items
 from lightning_cg.stats import GraphStats
 
@@ -53,6 +54,7 @@ class SubBatch:
         self._encoder = encoder
         self._call_inputs = call_inputs
         self._call_size = call_size
+        self._tokens: dict[str, list[int]] = {}
 
     @cached_property
     def inputs(self) -> Any:
@@ -63,8 +65,11 @@ class SubBatch:
         return self._encoder.select_items(self._call_inputs, self.indices)
 
     def tokens(self, path: str) -> list[int]:
-        """Each item's tokens on ``path``."""
-        return [spec.path_tokens.get(path, 0) for spec in self.specs]
+        """Each item's tokens on ``path`` (read several times per call, listed once)."""
+        tokens = self._tokens.get(path)
+        if tokens is None:
+            tokens = self._tokens[path] = [spec.path_tokens.get(path, 0) for spec in self.specs]
+        return tokens
 
     def part(self, positions: tuple[int, ...]) -> SubBatch:
         """The items at ``positions`` of this sub-batch, as a sub-batch of their own,
@@ -132,6 +137,7 @@ class Router:
         self.stats = stats
         self.timer = timer
         self.max_items = max_items
+        self._keys: StateMemo[GraphKey | None] = StateMemo()
 
     def route(self, graph_set: GraphSet, path: str, sub_batch: SubBatch) -> Route:
         """How ``path`` of ``sub_batch`` runs: which graph, or eagerly and why (counted)."""
@@ -161,8 +167,20 @@ class Router:
     ) -> GraphKey | None:
         """The key of the graph that holds the sub-batch (its tokens and frames), or None."""
         plan = self.paths[path]
-        desc = BatchDescriptor(sum(tokens), len(tokens), uniform=len(set(tokens)) == 1)
+        shape = (sum(tokens), len(tokens), len(set(tokens)) == 1)
         frames = sum(spec.num_frames for spec in specs)
+        # The key depends on these alone: the dispatcher object is replaced
+        # whenever the plan's budgets, modes or item counts change.
+        state = (plan.dispatcher, plan.max_frames, self.max_items)
+        return self._keys.get(
+            (graph_set, path, shape, frames),
+            state,
+            lambda: self._find_key(graph_set, path, plan, BatchDescriptor(*shape), frames),
+        )
+
+    def _find_key(
+        self, graph_set: GraphSet, path: str, plan: PathPlan, desc: BatchDescriptor, frames: int
+    ) -> GraphKey | None:
         runtime_mode, found = plan.dispatcher.dispatch(desc)
         if not self._holds_frames(plan, runtime_mode, found, frames):
             # More attention sequences than the key's graph holds (items of

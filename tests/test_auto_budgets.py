@@ -85,6 +85,17 @@ def test_learning_again_drops_the_graphs_of_the_old_ladder():
     assert captured_budgets(manager) == {24}
 
 
+def test_a_call_shape_seen_before_learning_again_gets_a_key_of_the_new_ladder():
+    manager = auto_manager(ToyTower().eval(), k=2)
+    with torch.no_grad():
+        run(manager, *make_batch(random.Random(3), [100]))
+        manager.learn_budgets([[{"local": 20}]])
+        assert manager.paths["local"].budgets == [24, 256]
+        run(manager, *make_batch(random.Random(5), [100]))
+    assert captured_budgets(manager) == {256}
+    assert manager.stats.hits == 2
+
+
 def test_only_auto_paths_are_learned():
     tower = ToyTower(global_tokens=4).eval()
     manager = EncoderGraphManager(

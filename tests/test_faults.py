@@ -198,6 +198,23 @@ def test_out_of_memory_keeps_the_budgets_below_the_failing_one(monkeypatch):
     assert manager.stats.hits > 0 and manager.stats.misses > 0
 
 
+def test_a_call_shape_seen_before_a_budget_was_dropped_is_packed_for_the_budgets_left():
+    tower = ToyTower().eval()
+    encoder = FailingEncoder(
+        tower, lambda spec: (spec.path, spec.token_budget) == ("local", 32), out_of_memory
+    )
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # 5 + 7 + 14 tokens: one sub-batch of budget 32, which runs out of memory.
+        run_and_compare(manager, tower, [[5, 7, 14]])
+        assert manager.stats.hits == 0
+        # The same call again: two sub-batches within 16 tokens now, both replayed.
+        run_and_compare(manager, tower, [[5, 7, 14]])
+    assert manager.stats.hits == 2
+    assert manager.paths["local"].budgets == [8, 16]
+
+
 def test_out_of_memory_at_every_budget_runs_the_path_eagerly_and_warns_once():
     tower = ToyTower(global_tokens=4).eval()
     encoder = FailingEncoder(tower, lambda spec: spec.path == "global", out_of_memory)
