@@ -81,6 +81,7 @@ TABLE_COLUMNS = (
     ("vs_exact", "vs exact"),
     ("padding_waste", "pad"),
     ("host_us_per_replay", "host us"),
+    ("launch_us_per_replay", "launch us"),
     ("capture_s", "capture s"),
     ("total_s", "total s"),
     ("pool_bytes", "pool MiB"),

@@ -9,6 +9,7 @@ nothing returned aliases a graph buffer.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from lightning_cg.cache import CapturedGraph
 from lightning_cg.encoder import GraphableEncoder
+from lightning_cg.stats import GraphStats
 
 #: Largest relative error ||replay - eager|| / ||eager|| that ``verify`` accepts.
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -31,10 +33,17 @@ def replay(
     path: str,
     inputs: Any,
     total: int,
+    stats: GraphStats | None = None,
 ) -> torch.Tensor:
-    """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real rows."""
+    """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real rows.
+
+    With ``stats``, the launch's host seconds are added to ``stats.launch_seconds``.
+    """
     graph.static_inputs.fill(encoder.replay_inputs(path, inputs), padding_rules, path)
+    launched = time.perf_counter()
     output = graph.run()
+    if stats is not None:
+        stats.launch_seconds += time.perf_counter() - launched
     # Clone: the next replay overwrites the graph's output buffer.
     return (output if output.shape[0] == total else output[:total]).clone()
 

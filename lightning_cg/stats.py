@@ -23,11 +23,13 @@ class GraphStats:
     tokens are the budget rows a replay computed beyond the real ones. Graphs
     count the CUDA graphs held: one per FULL key, one per piece of a PIECEWISE
     key; graphs captured those of this run. Host seconds add up the host time
-    of replays (metadata, copies, launch, clone; nothing waits for the GPU);
-    compile seconds the first graph forwards of a compiled encoder. The
-    ``eager_*`` counters split the misses by reason (:data:`EAGER_REASONS`);
-    with ``dispatch="measured"``, measured eager counts the path runs its table
-    sent to eager though a graph fits, measured splits the ones it split.
+    of replays (metadata, copies, launch, clone; nothing waits for the GPU),
+    launch seconds the part of it spent in the graph launch itself (the CUDA
+    driver's, growing with the graph's kernels); compile seconds the first
+    graph forwards of a compiled encoder. The ``eager_*`` counters split the
+    misses by reason (:data:`EAGER_REASONS`); with ``dispatch="measured"``,
+    measured eager counts the path runs its table sent to eager though a graph
+    fits, measured splits the ones it split.
     """
 
     hits: int = 0
@@ -44,6 +46,7 @@ class GraphStats:
     items: int = 0
     tokens: int = 0
     host_seconds: float = 0.0
+    launch_seconds: float = 0.0
     compile_seconds: float = 0.0
     measured_eager: int = 0
     measured_splits: int = 0
@@ -70,6 +73,12 @@ class GraphStats:
         """Host microseconds of one graph replay, on average."""
         return 1e6 * self.host_seconds / self.hits if self.hits else 0.0
 
+    @property
+    def launch_us_per_replay(self) -> float:
+        """Host microseconds of one replay's graph launch, on average; the rest
+        of :attr:`host_us_per_replay` is the manager's own work."""
+        return 1e6 * self.launch_seconds / self.hits if self.hits else 0.0
+
     def count_eager(self, reason: str) -> None:
         """One path of a sub-batch ran eagerly for ``reason`` (one of :data:`EAGER_REASONS`)."""
         self.misses += 1
@@ -82,6 +91,7 @@ class GraphStats:
             "hit_rate": self.hit_rate,
             "padding_waste": self.padding_waste,
             "host_us_per_replay": self.host_us_per_replay,
+            "launch_us_per_replay": self.launch_us_per_replay,
         }
 
     def as_dict(self) -> dict[str, float]:

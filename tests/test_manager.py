@@ -396,8 +396,11 @@ def test_host_time_per_replay_is_counted():
     stats = manager.stats
     assert stats.hits == 3 and stats.host_seconds > 0
     assert stats.as_dict()["host_us_per_replay"] == pytest.approx(1e6 * stats.host_seconds / 3)
+    # The launch is part of the replay's host time (on the CPU: the graph forward).
+    assert 0 < stats.launch_seconds < stats.host_seconds
+    assert stats.as_dict()["launch_us_per_replay"] == pytest.approx(1e6 * stats.launch_seconds / 3)
     manager.reset_stats()
-    assert manager.stats.host_us_per_replay == 0.0
+    assert manager.stats.host_us_per_replay == manager.stats.launch_us_per_replay == 0.0
 
 
 def _padded(rows: torch.Tensor, size: int, rule: str, as_numpy: bool) -> list:

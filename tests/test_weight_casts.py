@@ -47,6 +47,19 @@ def test_copies_give_autocasts_result(tower_and_images):
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
+def test_convolution_copies_are_channels_last_through_refresh(tower_and_images):
+    tower, _ = tower_and_images
+    casts = WeightCasts(tower)
+    with casts.swapped_in(torch.bfloat16):
+        copy = tower.conv.weight
+    with torch.no_grad():
+        tower.conv.weight.mul_(2.0)
+    casts.refresh()
+    assert copy.is_contiguous(memory_format=torch.channels_last)
+    assert not copy.is_contiguous()
+    assert torch.equal(copy, tower.conv.weight.to(torch.bfloat16))
+
+
 def test_the_tower_gets_its_own_parameters_back(tower_and_images):
     tower, images = tower_and_images
     before = dict(tower.named_parameters())
