@@ -1,0 +1,56 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_cg.adapters.packed_inputs import tower_device
+
+
+class Root(nn.Module):
+    """Parameters on children, a None child and None parameter, and the root's own
+    parameter registered after its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Sequential(nn.ReLU(), None)
+        self.register_parameter("unset", None)
+        self.body = nn.Sequential(nn.Identity(), nn.Linear(2, 2, device="meta"))
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+class OwnParameters(nn.Module):
+    """A tower that answers parameters() itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def parameters(self, recurse: bool = True):
+        yield torch.nn.Parameter(torch.empty(0, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "tower",
+    [
+        Root(),
+        nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(2, 2, device="meta")), nn.Linear(2, 2)),
+        nn.Sequential(nn.ReLU()),
+        OwnParameters(),
+    ],
+)
+def test_tower_device_is_that_of_the_first_parameter(tower):
+    first = next(tower.parameters(), None)
+    assert tower_device(tower) == (None if first is None else first.device)
+
+
+def test_tower_device_of_a_root_with_its_own_parameter_first():
+    tower = Root()
+    tower.register_parameter("unset", nn.Parameter(torch.ones(1, device="meta")))
+    assert tower_device(tower) == torch.device("meta") == next(tower.parameters()).device
+
+
+def test_tower_device_of_a_tower_that_is_no_module():
+    class Tower:
+        def parameters(self):
+            return iter([torch.ones(1, device="meta")])
+
+    assert tower_device(Tower()) == torch.device("meta")
