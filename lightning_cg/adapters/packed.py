@@ -39,6 +39,8 @@ GLOBAL_PATH = "global"
 PATHS = (LOCAL_PATH, GLOBAL_PATH)
 #: Largest local token budget when the user sets none.
 DEFAULT_MAX_TOKEN_BUDGET = 4096
+#: Most item sizes whose ItemSpec an adapter keeps; past it, it starts again.
+MAX_KEPT_ITEM_SPECS = 4096
 
 #: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
 GridTHW = torch.Tensor | Sequence[Sequence[int]]
@@ -143,6 +145,10 @@ class PackedEncoderAdapter:
         self._patch_dim = config.in_channels * config.patch_size**2
         self._view_tokens = (config.global_grid // config.spatial_merge_size) ** 2
         self._global_tokens = self._view_tokens if config.global_view else 0
+        # The spec of each item size seen: it depends only on the size and on the
+        # sizes above, fixed here, and specs are frozen, so calls share them
+        # (building one costs ~1 us of host time per item).
+        self._specs_by_size: dict[tuple[int, int, int], ItemSpec] = {}
 
     def graph_config(self) -> EncoderGraphConfig:
         """Paths ``local`` and ``global``; ``global`` may be empty when the view is off."""
@@ -201,18 +207,22 @@ class PackedEncoderAdapter:
 
     def item_specs(self, inputs: PackedInputs) -> list[ItemSpec]:
         """Patches, tokens per path and frames of each item."""
-        specs = []
-        for t, h, w in inputs.grid:
-            local = t * h * w // self._merge_area
-            specs.append(
-                ItemSpec(
-                    input_size=t * h * w,
-                    output_tokens=local + self._global_tokens,
-                    path_tokens={LOCAL_PATH: local, GLOBAL_PATH: self._global_tokens},
-                    num_frames=t,
-                )
-            )
-        return specs
+        specs = self._specs_by_size
+        return [specs.get(size) or self._new_item_spec(size) for size in inputs.grid]
+
+    def _new_item_spec(self, size: tuple[int, int, int]) -> ItemSpec:
+        t, h, w = size
+        local = t * h * w // self._merge_area
+        spec = ItemSpec(
+            input_size=t * h * w,
+            output_tokens=local + self._global_tokens,
+            path_tokens={LOCAL_PATH: local, GLOBAL_PATH: self._global_tokens},
+            num_frames=t,
+        )
+        if len(self._specs_by_size) >= MAX_KEPT_ITEM_SPECS:
+            self._specs_by_size.clear()
+        self._specs_by_size[size] = spec
+        return spec
 
     def select_items(self, inputs: PackedInputs, indices: Sequence[int]) -> PackedInputs:
         """The patches and grid rows of the items at ``indices``, in that order

@@ -3,8 +3,9 @@ import random
 import pytest
 import torch
 
+from lightning_cg.adapters import packed
 from lightning_cg.adapters.packed import GLOBAL_PATH, LOCAL_PATH, PackedEncoderAdapter
-from lightning_cg.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.encoder import CaptureSpec, GraphableEncoder, ItemSpec
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
 
 PATCH = 4
@@ -140,6 +141,21 @@ def test_graph_config_and_item_specs(global_view):
         {LOCAL_PATH: 2, GLOBAL_PATH: extra},
     ]
     assert [s.output_tokens for s in specs] == [6 + extra, 2 + extra]
+
+
+def test_item_specs_of_sizes_seen_before_and_past_the_kept_maximum(monkeypatch):
+    monkeypatch.setattr(packed, "MAX_KEPT_ITEM_SPECS", 2)
+    adapter = PackedEncoderAdapter(tiny_tower(global_view=True), max_frames_per_item=3)
+    grids = [[(1, 4, 6), (2, 2, 2)], [(2, 2, 2), (1, 4, 6), (3, 2, 4)], [(1, 4, 6), (1, 8, 2)]]
+    for grid in grids * 2:
+        inputs = adapter.inputs_from_call(
+            (torch.zeros(sum(t * h * w for t, h, w in grid), 48), torch.tensor(grid)), {}
+        )
+        assert adapter.item_specs(inputs) == [
+            ItemSpec(t * h * w, t * h * w // 4 + 4, {LOCAL_PATH: t * h * w // 4, GLOBAL_PATH: 4}, t)
+            for t, h, w in grid
+        ]
+        assert len(adapter._specs_by_size) <= 2
 
 
 def test_select_items_keeps_the_requested_order():
