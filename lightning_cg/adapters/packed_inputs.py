@@ -21,8 +21,6 @@ from lightning_cg.adapters import as_slice, select_rows
 
 #: Items as host ``(t, h, w)`` triples: frames, patch rows, patch columns.
 Grid = list[tuple[int, int, int]]
-#: The nn.Module methods behind ``parameters()``; a tower overriding one is asked through it.
-_PARAMETER_ITERATION = ("parameters", "named_parameters", "named_modules")
 
 
 @dataclass
@@ -104,8 +102,11 @@ def tower_device(tower: object) -> torch.device | None:
     module tree first, ~10 us of host time per call.
     """
     cls = type(tower)
-    stock = isinstance(tower, nn.Module) and all(
-        getattr(cls, name) is getattr(nn.Module, name) for name in _PARAMETER_ITERATION
+    stock = (
+        isinstance(tower, nn.Module)
+        and cls.parameters is nn.Module.parameters
+        and cls.named_parameters is nn.Module.named_parameters
+        and cls.named_modules is nn.Module.named_modules
     )
     parameter = _first_parameter(tower) if stock else next(tower.parameters(), None)
     return None if parameter is None else parameter.device

@@ -17,24 +17,12 @@ class Root(nn.Module):
         self.scale = nn.Parameter(torch.ones(1))
 
 
-class OwnParameters(nn.Module):
-    """A tower that answers parameters() itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(2, 2)
-
-    def parameters(self, recurse: bool = True):
-        yield torch.nn.Parameter(torch.empty(0, device="meta"))
-
-
 @pytest.mark.parametrize(
     "tower",
     [
         Root(),
         nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(2, 2, device="meta")), nn.Linear(2, 2)),
         nn.Sequential(nn.ReLU()),
-        OwnParameters(),
     ],
 )
 def test_tower_device_is_that_of_the_first_parameter(tower):
@@ -45,6 +33,18 @@ def test_tower_device_is_that_of_the_first_parameter(tower):
 def test_tower_device_of_a_root_with_its_own_parameter_first():
     tower = Root()
     tower.register_parameter("unset", nn.Parameter(torch.ones(1, device="meta")))
+    assert tower_device(tower) == torch.device("meta") == next(tower.parameters()).device
+
+
+@pytest.mark.parametrize("method", ["parameters", "named_parameters", "named_modules"])
+def test_tower_device_of_a_tower_that_overrides_how_its_parameters_are_found(method):
+    elsewhere = nn.Linear(2, 2, device="meta")
+    overrides = {
+        "parameters": lambda self, recurse=True: elsewhere.parameters(),
+        "named_parameters": lambda self, *args, **kwargs: elsewhere.named_parameters(),
+        "named_modules": lambda self, *args, **kwargs: elsewhere.named_modules(),
+    }
+    tower = type("Tower", (nn.Linear,), {method: overrides[method]})(2, 2)
     assert tower_device(tower) == torch.device("meta") == next(tower.parameters()).device
 
 
