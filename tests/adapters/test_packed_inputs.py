@@ -6,8 +6,9 @@ from lightning_cg.adapters.packed_inputs import tower_device
 
 
 class Root(nn.Module):
-    """Parameters on children, a None child and None parameter, and the root's own
-    parameter registered after its children."""
+    """Parameters on children, a None child and a None parameter, and the root's own
+    parameter registered after its children: it still comes first (a module's own
+    parameters precede its children's), on the CPU where the first child's are on meta."""
 
     def __init__(self) -> None:
         super().__init__()
