@@ -107,11 +107,22 @@ def write_padded_array(target: np.ndarray, rows: np.ndarray, rule: str) -> None:
 class _Buffer:
     """One static buffer, and what every replay checks its rows against."""
 
-    __slots__ = ("array", "device", "dtype", "is_cpu", "is_cuda", "name", "row_shape", "tensor")
+    __slots__ = (
+        "array",
+        "device",
+        "dtype",
+        "is_cpu",
+        "is_cuda",
+        "name",
+        "row_capacity",
+        "row_shape",
+        "tensor",
+    )
 
     def __init__(self, name: str, tensor: torch.Tensor) -> None:
         self.name = name
         self.tensor = tensor
+        self.row_capacity = tensor.shape[0]
         self.row_shape = tensor.shape[1:]
         self.dtype = tensor.dtype
         self.device = tensor.device
@@ -126,7 +137,8 @@ class _Buffer:
         Raises:
             RuntimeError: ``rows`` do not fit the buffer.
         """
-        if rows.shape[1:] != self.row_shape or rows.shape[0] > self.tensor.shape[0]:
+        shape = rows.shape  # read once: each read of a tensor's shape builds a new Size
+        if shape[1:] != self.row_shape or shape[0] > self.row_capacity:
             raise RuntimeError(
                 f"buffer {self.name!r} holds {tuple(self.tensor.shape)}; replay rows "
                 f"{tuple(rows.shape)} do not fit (the adapter's capture_inputs and "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 from lightning_cg.adapters import as_slice, select_rows
 
@@ -88,6 +89,37 @@ def read_packed_call(
             "pass the grid_thw these patches were cut with"
         )
     return grid
+
+
+def tower_device(tower: object) -> torch.device | None:
+    """The device of the tower's first parameter, None when it has none.
+
+    Read anew at every call (the tower may move between runs, or get new
+    parameters). For a module that keeps nn.Module's own parameter iteration,
+    the first parameter is found in the same order (registration order, a
+    module before its children) straight from the modules' parameter and child
+    dicts: ``next(tower.parameters(), None)`` builds generators over the whole
+    module tree first, ~10 us of host time per call.
+    """
+    cls = type(tower)
+    stock = (
+        isinstance(tower, nn.Module)
+        and cls.parameters is nn.Module.parameters
+        and cls.named_parameters is nn.Module.named_parameters
+        and cls.named_modules is nn.Module.named_modules
+    )
+    parameter = _first_parameter(tower) if stock else next(tower.parameters(), None)
+    return None if parameter is None else parameter.device
+
+
+def _first_parameter(module: nn.Module) -> nn.Parameter | None:
+    for parameter in module._parameters.values():
+        if parameter is not None:
+            return parameter
+    for child in module._modules.values():
+        if child is not None and (parameter := _first_parameter(child)) is not None:
+            return parameter
+    return None
 
 
 def select_packed_items(inputs: Inputs, indices: Sequence[int]) -> Inputs:

@@ -43,6 +43,7 @@ from lightning_cg.adapters.packed_inputs import (
     PackedInputs,
     read_packed_call,
     select_packed_items,
+    tower_device,
 )
 from lightning_cg.adapters.qwen_metadata import (
     host_metadata,
@@ -206,13 +207,12 @@ class QwenVisionAdapter:
         patches, grid_thw = bound["hidden_states"], bound["grid_thw"]
         options = dict(bound.get("options", {}))
         return_dict = options.pop("return_dict", getattr(self.tower.config, "return_dict", True))
-        parameter = next(self.tower.parameters(), None)
         grid = read_packed_call(
             patches,
             grid_thw,
             self._patch_dim,
             self.merge,
-            None if parameter is None else parameter.device,
+            tower_device(self.tower),
             patches_name=_PATCHES,
         )
         checked = _check_options(options)

@@ -3,8 +3,9 @@ import random
 import pytest
 import torch
 
+from lightning_cg.adapters import packed
 from lightning_cg.adapters.packed import GLOBAL_PATH, LOCAL_PATH, PackedEncoderAdapter
-from lightning_cg.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.encoder import CaptureSpec, GraphableEncoder, ItemSpec
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
 
 PATCH = 4
@@ -142,6 +143,21 @@ def test_graph_config_and_item_specs(global_view):
     assert [s.output_tokens for s in specs] == [6 + extra, 2 + extra]
 
 
+def test_item_specs_of_sizes_seen_before_and_past_the_kept_maximum(monkeypatch):
+    monkeypatch.setattr(packed, "MAX_KEPT_ITEM_SPECS", 2)
+    adapter = PackedEncoderAdapter(tiny_tower(global_view=True), max_frames_per_item=3)
+    grids = [[(1, 4, 6), (2, 2, 2)], [(2, 2, 2), (1, 4, 6), (3, 2, 4)], [(1, 4, 6), (1, 8, 2)]]
+    for grid in grids * 2:
+        inputs = adapter.inputs_from_call(
+            (torch.zeros(sum(t * h * w for t, h, w in grid), 48), torch.tensor(grid)), {}
+        )
+        assert adapter.item_specs(inputs) == [
+            ItemSpec(t * h * w, t * h * w // 4 + 4, {LOCAL_PATH: t * h * w // 4, GLOBAL_PATH: 4}, t)
+            for t, h, w in grid
+        ]
+        assert len(adapter._specs_by_size) <= 2
+
+
 def test_select_items_keeps_the_requested_order():
     adapter = PackedEncoderAdapter(tiny_tower())
     items = [torch.randn(3, 8, 8), torch.randn(2, 3, 8, 16), torch.randn(3, 16, 8)]
@@ -192,11 +208,51 @@ def test_postprocess_of_an_empty_batch():
     assert out.shape == (0, 32) and out.dtype == torch.float64
 
 
-def test_keyword_call():
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda patches, grid_thw: ((patches, grid_thw), {}),  # the fast path
+        lambda patches, grid_thw: ((), {"grid_thw": grid_thw, "pixel_patches": patches}),
+        lambda patches, grid_thw: ((patches,), {"grid_thw": grid_thw}),
+    ],
+)
+def test_positional_and_keyword_calls_read_the_same_inputs(call):
     adapter = PackedEncoderAdapter(tiny_tower())
-    patches, grid_thw = patchify([torch.randn(3, 8, 8)], PATCH)
-    inputs = adapter.inputs_from_call((), {"grid_thw": grid_thw, "pixel_patches": patches})
-    assert inputs.grid == [(1, 2, 2)]
+    patches, grid_thw = patchify([torch.randn(3, 8, 8), torch.randn(3, 16, 8)], PATCH)
+    inputs = adapter.inputs_from_call(*call(patches, grid_thw))
+    assert inputs.pixel_patches is patches and inputs.grid_thw is grid_thw
+    assert inputs.grid == [(1, 2, 2), (1, 4, 2)]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((torch.zeros(4, 48),), {}, "grid_thw"),
+        ((torch.zeros(4, 48), torch.tensor([[1, 2, 2]]), None), {}, "too many positional"),
+        ((torch.zeros(4, 48), torch.tensor([[1, 2, 2]])), {"grid_thw": None}, "grid_thw"),
+        ((torch.zeros(4, 48), torch.tensor([[1, 2, 2]])), {"scale": 2}, "scale"),
+    ],
+)
+def test_a_call_that_does_not_bind_names_the_argument(args, kwargs, message):
+    adapter = PackedEncoderAdapter(tiny_tower())
+    with pytest.raises(TypeError, match=message):
+        adapter.inputs_from_call(args, kwargs)
+
+
+def test_the_device_check_follows_the_tower_after_the_adapter_is_made():
+    tower = tiny_tower()
+    adapter = PackedEncoderAdapter(tower)
+    call = patchify([torch.randn(3, 8, 8)], PATCH)
+    adapter.inputs_from_call(call, {})
+    tower.to("meta")
+    with pytest.raises(ValueError, match="pixel_patches is on cpu, the tower on meta"):
+        adapter.inputs_from_call(call, {})
+    tower.to_empty(device="cpu")
+    adapter.inputs_from_call(call, {})
+    # A new first parameter, not moved in place: read from the tower as it is now.
+    tower.patch_embed.weight = torch.nn.Parameter(tower.patch_embed.weight.to("meta"))
+    with pytest.raises(ValueError, match="the tower on meta"):
+        adapter.inputs_from_call(call, {})
 
 
 @pytest.mark.parametrize(
@@ -217,10 +273,8 @@ def test_bad_inputs_name_the_argument(patches, grid_thw, message):
         adapter.inputs_from_call((patches, grid_thw), {})
 
 
-def test_missing_argument_and_unknown_path():
+def test_unknown_path():
     adapter = PackedEncoderAdapter(tiny_tower())
-    with pytest.raises(TypeError, match="grid_thw"):
-        adapter.inputs_from_call((torch.zeros(4, 48),), {})
     with pytest.raises(ValueError, match="unknown encoder path 'thumbnail'"):
         adapter.token_budget_range("thumbnail")
 

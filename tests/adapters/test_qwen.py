@@ -300,6 +300,16 @@ def test_bad_patches_name_the_argument():
         QwenVisionAdapter(torch.nn.Linear(2, 2))
 
 
+def test_a_batch_on_another_device_than_the_tower_is_refused_after_it_moves():
+    tower = tiny_tower("qwen2_vl")
+    adapter = QwenVisionAdapter(tower)
+    hidden_states, grid_thw = random_batch(8, count=2)
+    adapter.inputs_from_call((hidden_states,), {"grid_thw": grid_thw})
+    tower.to("meta")
+    with pytest.raises(ValueError, match="hidden_states is on cpu, the tower on meta"):
+        adapter.inputs_from_call((hidden_states,), {"grid_thw": grid_thw})
+
+
 IMAGE_TOKEN, VISION_START = 150, 152
 
 

@@ -31,8 +31,8 @@ def test_frame_positions_are_where_patchify_puts_each_patch(merge):
         )
 
 
-def test_packed_positions_put_frames_one_after_another_in_a_new_array():
-    frames = [(4, 6), (8, 2), (4, 6)]
+@pytest.mark.parametrize("frames", [[(4, 6), (8, 2), (4, 6)], [(8, 2)]])
+def test_packed_positions_put_frames_one_after_another_in_a_new_array(frames):
     positions = packed_positions(frames, 2)
     expected = np.concatenate([patchified_positions(h, w, 2) for h, w in frames])
     np.testing.assert_array_equal(positions, expected)
