@@ -112,11 +112,14 @@ def fit_runs(
     return clock.records, fit_s
 
 
-def make_trainer(settings: TrainerSettings, callbacks: list[pl.Callback], **kwargs) -> pl.Trainer:
-    """A quiet one-device Trainer: no logger, checkpoint, summary, progress bar, sanity check."""
+def make_trainer(
+    settings: TrainerSettings, callbacks: list[pl.Callback], devices: int = 1, **kwargs
+) -> pl.Trainer:
+    """A quiet Trainer on ``devices`` devices: no logger, checkpoint, summary,
+    progress bar, sanity check."""
     return pl.Trainer(
         accelerator="gpu" if settings.device == "cuda" else "cpu",
-        devices=1,
+        devices=devices,
         precision=settings.precision,
         callbacks=callbacks,
         logger=False,
