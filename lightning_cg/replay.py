@@ -35,7 +35,8 @@ def replay(
     total: int,
     stats: GraphStats | None = None,
 ) -> torch.Tensor:
-    """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real rows.
+    """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real
+    rows (contiguous, whatever the graph's output layout).
 
     With ``stats``, the launch's host seconds are added to ``stats.launch_seconds``.
     """
@@ -44,8 +45,11 @@ def replay(
     output = graph.run()
     if stats is not None:
         stats.launch_seconds += time.perf_counter() - launched
-    # Clone: the next replay overwrites the graph's output buffer.
-    return (output if output.shape[0] == total else output[:total]).clone()
+    # Clone: the next replay overwrites the graph's output buffer. In the default
+    # layout: a graph of channels_last convolutions (its weight copies) ends in
+    # channels_last feature maps, where the tower's eager output is contiguous.
+    rows = output if output.shape[0] == total else output[:total]
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 def check_replay(

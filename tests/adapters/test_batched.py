@@ -6,6 +6,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 from lightning_cg.adapters.batched import IMAGE_PATH, BatchedEncoderAdapter
 from lightning_cg.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.manager import EncoderGraphManager
 
 
 def tiny_vit(image_size: int = 16) -> nn.Module:
@@ -153,10 +154,34 @@ def test_bad_arguments_raise():
 
 
 def manager_for(tower: nn.Module):
-    from lightning_cg.manager import EncoderGraphManager
-
     adapter = BatchedEncoderAdapter(tower, max_batch_size=8)
     return adapter, EncoderGraphManager(adapter, mode="full", verify=True, capture="first_use")
+
+
+class ChannelsLastFeatures(nn.Module):
+    """A convolution whose feature maps come out channels_last, as a graph of
+    channels_last weight copies gives them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).contiguous(memory_format=torch.channels_last)
+
+
+def test_replayed_feature_maps_come_back_contiguous():
+    torch.manual_seed(0)
+    tower = ChannelsLastFeatures().eval()
+    manager = EncoderGraphManager(BatchedEncoderAdapter(tower), capture="first_use")
+    x = torch.randn(3, 3, 8, 8)
+    with torch.no_grad():
+        output = manager.execute(manager.encoder.inputs_from_call((x,), {}))
+        expected = tower(x)
+    assert manager.stats.hits == 1
+    assert output.is_contiguous()
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    assert output.view(3, -1).shape == (3, 4 * 8 * 8)
 
 
 @pytest.mark.parametrize("make_tower", [tiny_vit, tiny_resnet])
