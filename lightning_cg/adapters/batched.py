@@ -21,6 +21,8 @@ from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, Path
 
 #: The only encoder path of a batch-first tower.
 IMAGE_PATH = "image"
+#: Every batch row's spec: one token on the image path (shared: nothing changes a spec).
+_ROW_SPEC = ItemSpec(input_size=1, output_tokens=1, path_tokens={IMAGE_PATH: 1})
 
 
 class BatchedEncoderAdapter:
@@ -110,8 +112,7 @@ class BatchedEncoderAdapter:
 
     def item_specs(self, inputs: torch.Tensor) -> list[ItemSpec]:
         """One single-token item per batch row."""
-        spec = ItemSpec(input_size=1, output_tokens=1, path_tokens={IMAGE_PATH: 1})
-        return [spec] * inputs.shape[0]
+        return [_ROW_SPEC] * inputs.shape[0]
 
     def select_items(self, inputs: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         """The rows at ``indices``, in that order (a view when they are consecutive)."""
