@@ -25,7 +25,7 @@ class GraphStats:
     key; graphs captured those of this run. Host seconds add up the host time
     of replays (metadata, copies, launch, clone; nothing waits for the GPU),
     launch seconds the part of it spent in the graph launch itself (the CUDA
-    driver's, growing with the graph's kernels); compile seconds the first
+    driver's work, not the manager's); compile seconds the first
     graph forwards of a compiled encoder. The ``eager_*`` counters split the
     misses by reason (:data:`EAGER_REASONS`); with ``dispatch="measured"``,
     measured eager counts the path runs its table sent to eager though a graph
