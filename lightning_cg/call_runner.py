@@ -187,10 +187,10 @@ class CallRunner:
         started = time.perf_counter()
         if self.policy.wants_graph_timing(key):
             with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
-                rows = self._replay_counted(graph, path, sub_batch.inputs, total)
+                rows = self._replay(graph, path, sub_batch.inputs, total, served=True)
                 t.on_cuda = rows.is_cuda
         else:
-            rows = self._replay_counted(graph, path, sub_batch.inputs, total)
+            rows = self._replay(graph, path, sub_batch.inputs, total, served=True)
         self.stats.host_seconds += time.perf_counter() - started
         # Counted once served: a replay that raised (a bad input) is no hit.
         self.stats.hits += 1
@@ -201,14 +201,12 @@ class CallRunner:
             check_replay(graph, path, rows, self._eager(call, path, sub_batch))
         call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
 
-    def _replay(self, graph: CapturedGraph, path: str, inputs: Any, total: int) -> torch.Tensor:
-        return replay(graph, self.encoder, self.padding_rules, path, inputs, total)
-
-    def _replay_counted(
-        self, graph: CapturedGraph, path: str, inputs: Any, total: int
+    def _replay(
+        self, graph: CapturedGraph, path: str, inputs: Any, total: int, served: bool = False
     ) -> torch.Tensor:
-        """A served replay: its launch time is counted in the stats."""
-        return replay(graph, self.encoder, self.padding_rules, path, inputs, total, self.stats)
+        """Replay ``graph``; a served replay (not measured dispatch's trial) counts its launch."""
+        stats = self.stats if served else None
+        return replay(graph, self.encoder, self.padding_rules, path, inputs, total, stats)
 
     def _eager(self, call: _Call, path: str, sub_batch: SubBatch) -> torch.Tensor:
         rows = self._eager_forward(path, sub_batch.inputs, call.inference_mode)

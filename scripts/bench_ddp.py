@@ -69,9 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     sizes = TINY_SIZES if args.tiny else FULL_SIZES
     tower = make_tower(workload, sizes, 0)
     # Lightning sets LOCAL_RANK in the ranks it starts; rank 0 is this process.
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
-    if device.type == "cpu":
-        device = torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     batches = SyntheticBatches(workload, tower, args.batches, sizes, 0, device)
     warm_up(tower, batches, str(device), precision)
     callback = CUDAGraphCallback(module="backbone", **settings.callback_kwargs)
