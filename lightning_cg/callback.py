@@ -99,6 +99,9 @@ class CUDAGraphCallback(Callback):
             (graphs timed against eager on the first real items; a sub-batch
             runs where it is faster). Measuring needs CUDA.
         compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
+        compile_scope: what ``compile`` compiles: ``auto`` (the tower's repeated
+            blocks once, when they hold most of its weights; else the whole
+            graph forward), ``blocks`` or ``whole``.
         capture: ``paid_back`` (a key is captured once its expected replays in the
             run repay the capture) or ``first_use`` (at the first batch that needs it).
         min_sightings: sightings of a key before ``paid_back`` may capture it.
@@ -133,6 +136,7 @@ class CUDAGraphCallback(Callback):
         encoder_data_parallel: bool = False,
         dispatch: str = "budget",
         compile: bool = False,
+        compile_scope: str = "auto",
         capture: str = "paid_back",
         min_sightings: int = 2,
         drop_slower_graphs: bool = True,
@@ -158,6 +162,7 @@ class CUDAGraphCallback(Callback):
             piecewise_fallback=piecewise_fallback,
             dispatch=dispatch,
             compile=compile,
+            compile_scope=compile_scope,
             # A capture that fails mid-run turns this rank eager, not the run into an error.
             capture_errors="eager",
             capture=capture,

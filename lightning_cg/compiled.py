@@ -8,17 +8,21 @@ sizes, so a packed tower's many budgets reuse the same code; ``static``
 compiles the first budget's shapes as they are (faster kernels, a shorter
 compile) and leaves a second budget to torch.compile's automatic dynamic
 shapes. The mode is the default: the manager does the graphing, so inductor's
-own cudagraphs (``reduce-overhead``) stay off.
+own cudagraphs (``reduce-overhead``) stay off. ``compile_scope`` says what is
+compiled: the tower's repeated blocks, once for all of them
+(:mod:`lightning_cg.compile_regions`), or the whole graph forward.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from lightning_cg.compile_regions import CompiledBlocks, blocks_to_compile
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder, ItemSpec
 
@@ -54,6 +58,8 @@ class CompiledEncoder:
             fused kernels, ``eager`` / ``aot_eager`` (or a callable) only trace
             (for tests).
         on_compile: called with the seconds of each graph forward that may compile.
+        scope: a :data:`~lightning_cg.compile_regions.COMPILE_SCOPES` value: what
+            is compiled, the tower's repeated blocks or the whole graph forward.
 
     Example:
         >>> manager = EncoderGraphManager(CompiledEncoder(PackedEncoderAdapter(tower)))
@@ -65,6 +71,7 @@ class CompiledEncoder:
         encoder: GraphableEncoder,
         backend: str | Callable = "inductor",
         on_compile: Callable[[float], None] | None = None,
+        scope: str = "auto",
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
             raise TypeError(
@@ -74,14 +81,21 @@ class CompiledEncoder:
         self.encoder = encoder
         #: Whether a path's new buffer shapes compile (``compile_shapes="static"``).
         self.static_shapes = encoder.graph_config().compile_shapes == "static"
-        self.compiled_forward = torch.compile(
-            encoder.graph_forward,
+        compile_function = functools.partial(
+            torch.compile,
             # None: torch.compile's automatic dynamic shapes, static until a size changes.
             dynamic=None if self.static_shapes else True,
             fullgraph=False,
             mode=None,
             backend=backend,
         )
+        blocks = blocks_to_compile(getattr(encoder, "tower", None), scope)
+        #: The compiled repeated blocks; None when the whole graph forward is compiled.
+        self.compiled_blocks = CompiledBlocks(blocks, compile_function) if blocks else None
+        if self.compiled_blocks is None:
+            self.compiled_forward = compile_function(encoder.graph_forward)
+        else:
+            self.compiled_forward = self._forward_with_compiled_blocks
         #: Seconds of the graph forwards that may compile: compilation, mostly.
         self.compile_seconds = 0.0
         self.on_compile = on_compile
@@ -133,6 +147,12 @@ class CompiledEncoder:
         if self.on_compile is not None:
             self.on_compile(seconds)
         return output
+
+    def _forward_with_compiled_blocks(
+        self, path: str, buffers: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        with self.compiled_blocks.installed():
+            return self.encoder.graph_forward(path, buffers)
 
     def _compiled_for(self, path: str, buffers: Mapping[str, torch.Tensor]) -> Hashable:
         """What one compile serves: the path, and with static shapes its buffers' shapes.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_cg.budgets import AUTO_LADDER, LADDERS
+from lightning_cg.compile_regions import COMPILE_SCOPES
 from lightning_cg.compiled import check_compile
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.measured import check_dispatch
@@ -165,6 +166,10 @@ class GraphConfig:
             ``measured`` (a path's whole ladder captured and timed against
             eager on its first real items; graphs only where faster).
         compile: capture a ``torch.compile``'d graph forward.
+        compile_scope: what ``compile`` compiles: ``auto`` (the tower's repeated
+            blocks, once for all of them, when they hold most of its weights;
+            else the whole graph forward), ``blocks`` or ``whole``
+            (:mod:`lightning_cg.compile_regions`). Only with ``compile``.
         capture_errors: ``raise`` a capture error without a known fallback, or
             turn every path ``eager`` from then on.
         capture: ``paid_back``: a key runs eagerly until it has been seen
@@ -193,6 +198,7 @@ class GraphConfig:
     piecewise_fallback: str = "error"
     dispatch: str = "budget"
     compile: bool = False
+    compile_scope: str = "auto"
     capture_errors: str = "raise"
     capture: str = "paid_back"
     min_sightings: int = 2
@@ -227,6 +233,12 @@ class GraphConfig:
         check_piecewise_fallback(self.piecewise_fallback)
         check_dispatch(self.dispatch)
         check_compile(self.compile, self.mode)
+        _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
+        if self.compile_scope != "auto" and not self.compile:
+            raise ValueError(
+                f"compile_scope={self.compile_scope!r} says what compile=True compiles; "
+                "compile is False. Set compile=True, or leave compile_scope at 'auto'"
+            )
         _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         _check_positive_int("min_sightings", self.min_sightings)

@@ -87,7 +87,11 @@ class EncoderGraphManager:
         # skip the per-item split and join (host time per item).
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
         if self.config.compile:
-            encoder = CompiledEncoder(encoder, on_compile=self._count_compile_seconds)
+            encoder = CompiledEncoder(
+                encoder,
+                on_compile=self._count_compile_seconds,
+                scope=self.config.compile_scope,
+            )
         self.encoder = encoder
         self.encoder_config = encoder.graph_config()
         choices = path_budget_choices(self.encoder_config, self.config)

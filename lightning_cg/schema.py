@@ -68,6 +68,7 @@ class CUDAGraphSchema:
     encoder_data_parallel: Any = False
     dispatch: str = "budget"
     compile: Any = False
+    compile_scope: str = "auto"
     capture: str = "paid_back"
     min_sightings: int = 2
     drop_slower_graphs: Any = True

@@ -39,6 +39,8 @@ HYDRA_ROWS = [
     # flags take exactly true or false
     ("predict", ["cudagraph.verify=no"], "verify"),
     ("predict", ["cudagraph.compile=maybe"], "compile"),
+    ("predict", ["cudagraph.compile=true", "cudagraph.compile_scope=layers"], "compile_scope"),
+    ("predict", ["cudagraph.compile_scope=blocks"], "compile_scope"),
     ("predict", ["cudagraph.keep_graphs=yes"], "keep_graphs"),
     ("predict", ["compare_eager=maybe"], "compare_eager"),
     ("train", ["compare_eager=sometimes"], "compare_eager"),
@@ -178,6 +180,12 @@ PYTHON_ROWS = [
     ),
     ("callback drop_slower_graphs=None", callback(drop_slower_graphs=None), "drop_slower_graphs"),
     ("callback cast_weights_per_run=1", callback(cast_weights_per_run=1), "cast_weights_per_run"),
+    (
+        "callback compile_scope='layers'",
+        callback(compile=True, compile_scope="layers"),
+        "compile_scope",
+    ),
+    ("callback compile_scope without compile", callback(compile_scope="whole"), "compile_scope"),
     ("callback budgets [64.9, 128.7]", callback(budgets={"budgets": [64.9, 128.7]}), "budgets"),
     ("callback True as a budget", callback(budgets={"budgets": [True]}), "budgets"),
     ("callback max_budget=True", callback(budgets={"max_budget": True}), "max_budget"),

@@ -5,13 +5,17 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torchvision.models import resnet50
 from toy_encoder import ToyEncoder, ToyTower
 
 import lightning_cg.manager as manager_module
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
+from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.encoder import GraphableEncoder
 from lightning_cg.manager import EncoderGraphManager
+from lightning_cg.models.packed_vit import PackedViT
+from lightning_cg.models.packed_vit_config import packed_vit_small_config
 from lightning_cg.replay import relative_error
 
 
@@ -157,3 +161,69 @@ def test_cuda_compiled_capture_matches_eager_in_bf16(mode):
     stats = manager.stats
     assert stats.hits > 0 and stats.graphs > 0 and stats.compile_seconds > 0
     assert all(graph.cuda_graph is not None for graph in manager.cache.graphs())
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that runs the traced graph as it is and counts compiles."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.compiles += 1
+        return graph_module.forward
+
+
+def tiny_packed_vit(depth: int = 3) -> PackedViT:
+    config = packed_vit_small_config(hidden_size=32, depth=depth, num_heads=2, out_hidden_size=16)
+    return PackedViT(config).eval()
+
+
+def test_repeated_blocks_compile_once_for_every_block_and_budget():
+    torch.manual_seed(0)
+    tower, backend = tiny_packed_vit(), CountingBackend()
+    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend=backend, scope="blocks")
+    assert encoder.compiled_blocks.blocks == list(tower.blocks)
+    manager = EncoderGraphManager(encoder, capture="first_use")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for grid in ([(1, 4, 4)], [(1, 4, 6), (1, 2, 2)], [(1, 8, 8)], [(1, 2, 4)] * 3):
+            patches = torch.randn(sum(h * w for _, h, w in grid), 3 * 16 * 16, generator=generator)
+            call = encoder.inputs_from_call((patches, torch.tensor(grid)), {})
+            torch.testing.assert_close(manager.execute(call), tower(patches, torch.tensor(grid)))
+    assert len(manager.cache) == 3  # budgets 16, 64 (twice) and 32 of the pow2 ladder
+    assert backend.compiles == 1  # one block's forward, shared by all blocks and budgets
+    # The tower's own (eager) calls above ran the class forward: nothing left installed.
+    assert not any("forward" in vars(block) for block in tower.blocks)
+
+
+def test_whole_scope_compiles_the_whole_graph_forward():
+    tower = tiny_packed_vit()
+    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend="eager", scope="whole")
+    assert encoder.compiled_blocks is None
+
+
+def test_auto_scope_compiles_transformer_blocks_and_a_resnet_whole():
+    packed = CompiledEncoder(PackedEncoderAdapter(PackedViT(packed_vit_small_config())), "eager")
+    assert packed.compiled_blocks is not None and len(packed.compiled_blocks.blocks) == 12
+    resnet = CompiledEncoder(BatchedEncoderAdapter(resnet50().eval()), backend="eager")
+    assert resnet.compiled_blocks is None  # its largest stage holds a quarter of the weights
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_blocks_capture_matches_eager_in_bf16():
+    torch.manual_seed(0)
+    tower = tiny_packed_vit(depth=2).cuda().to(torch.bfloat16)
+    manager = EncoderGraphManager(
+        PackedEncoderAdapter(tower), compile=True, compile_scope="blocks", capture="first_use"
+    )
+    assert manager.encoder.compiled_blocks is not None
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for grid in ([(1, 4, 4)], [(1, 4, 6), (1, 2, 2)], [(1, 8, 8)], [(1, 4, 6), (1, 2, 2)]):
+            patches = torch.randn(sum(h * w for _, h, w in grid), 3 * 16 * 16, generator=generator)
+            patches = patches.to("cuda", torch.bfloat16)
+            call = manager.encoder.inputs_from_call((patches, torch.tensor(grid)), {})
+            actual = manager.execute(call)
+            assert relative_error(actual, tower(patches, torch.tensor(grid))) < 2e-2
+    assert manager.stats.hits > 0 and manager.stats.compile_seconds > 0

@@ -1,0 +1,115 @@
+"""Regional compilation: a tower's repeated block compiled once, shared by every block.
+
+Most vision towers are a stack of identical blocks (a transformer's layers)
+that hold nearly all of their weights. Compiling one block's ``forward`` and
+letting every block call it costs one block's compile instead of the whole
+tower's: dynamo treats the block's parameters as inputs, so the code compiled
+for the first block serves the others (torch's "regional compilation" recipe).
+On the H200, packed_vit_small's compile and first captures took 9 s against
+about 30 s for the whole graph forward (BENCHMARKS.md, "Eleventh session").
+
+The compiled forward is installed on the blocks only while a graph forward runs
+(the manager's warm-up and capture) and taken off afterwards, so the tower's
+eager calls, training among them, never run compiled code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+#: ``compile_scope`` values: ``auto`` compiles the repeated blocks when they hold
+#: most of the tower's weights and the whole graph forward otherwise; ``blocks``
+#: requires such blocks; ``whole`` always compiles the whole graph forward.
+COMPILE_SCOPES = ("auto", "blocks", "whole")
+
+#: Share of the tower's weights its repeated blocks must hold for ``auto`` to
+#: compile only them: below it, too much of the tower would stay unfused
+#: (a ResNet's largest stage holds about a quarter of its weights).
+MIN_BLOCK_WEIGHT_SHARE = 0.5
+
+
+def repeated_blocks(tower: nn.Module) -> list[nn.Module]:
+    """The largest ``ModuleList`` / ``Sequential`` in ``tower`` of 2+ blocks of one class.
+
+    Lists whose blocks have a ``forward`` set on the instance are skipped: that
+    attribute is where the compiled forward goes. Ties go to the first found.
+    """
+    best: list[nn.Module] = []
+    for module in tower.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        blocks = list(module)
+        if len({type(block) for block in blocks}) != 1 or len(blocks) <= len(best):
+            continue
+        if any("forward" in vars(block) for block in blocks):
+            continue
+        best = blocks
+    return best
+
+
+def weight_share(blocks: list[nn.Module], tower: nn.Module) -> float:
+    """Share of ``tower``'s parameter elements that ``blocks`` hold (0 for a weightless tower)."""
+    total = sum(parameter.numel() for parameter in tower.parameters())
+    if not total:
+        return 0.0
+    held = sum(parameter.numel() for block in blocks for parameter in block.parameters())
+    return held / total
+
+
+def blocks_to_compile(tower: nn.Module | None, scope: str) -> list[nn.Module]:
+    """The blocks regional compilation compiles for ``scope``; empty: compile the whole forward.
+
+    Args:
+        tower: the adapter's tower; None (an adapter without one) compiles the whole forward.
+        scope: one of :data:`COMPILE_SCOPES`.
+
+    Raises:
+        ValueError: ``scope`` is unknown, or ``blocks`` and the tower has no
+            repeated blocks.
+    """
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope must be one of {', '.join(COMPILE_SCOPES)} (got {scope!r})")
+    if scope == "whole":
+        return []
+    blocks = repeated_blocks(tower) if isinstance(tower, nn.Module) else []
+    if scope == "blocks":
+        if not blocks:
+            raise ValueError(
+                f"compile_scope='blocks': {type(tower).__name__} has no ModuleList or "
+                "Sequential of two or more blocks of one class; use compile_scope='whole' or 'auto'"
+            )
+        return blocks
+    if blocks and weight_share(blocks, tower) >= MIN_BLOCK_WEIGHT_SHARE:
+        return blocks
+    return []
+
+
+class CompiledBlocks:
+    """One compiled ``forward`` for a list of blocks of one class.
+
+    Args:
+        blocks: the blocks (see :func:`repeated_blocks`).
+        compile_function: ``torch.compile`` with its options bound; it is given
+            the blocks' class ``forward`` (an unbound function taking the block first).
+    """
+
+    def __init__(self, blocks: list[nn.Module], compile_function: Callable) -> None:
+        if not blocks:
+            raise ValueError("CompiledBlocks needs at least one block")
+        self.blocks = blocks
+        self.compiled_forward = compile_function(type(blocks[0]).forward)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Within the block, every block's calls run the compiled forward."""
+        for block in self.blocks:
+            block.forward = functools.partial(self.compiled_forward, block)
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                del block.forward

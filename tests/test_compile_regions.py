@@ -1,0 +1,113 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_cg.compile_regions import (
+    MIN_BLOCK_WEIGHT_SHARE,
+    CompiledBlocks,
+    blocks_to_compile,
+    repeated_blocks,
+    weight_share,
+)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x).relu()
+
+
+class OtherBlock(Block):
+    pass
+
+
+class StackTower(nn.Module):
+    """An embedding, ``depth`` blocks and a head of ``head_width`` outputs."""
+
+    def __init__(self, depth: int = 4, width: int = 16, head_width: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, head_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_the_largest_list_of_blocks_of_one_class_is_found():
+    tower = StackTower(depth=4)
+    tower.pair = nn.Sequential(Block(16), Block(16))  # smaller: not chosen
+    tower.mixed = nn.ModuleList([Block(16), OtherBlock(16), Block(16), Block(16), Block(16)])
+    assert repeated_blocks(tower) == list(tower.blocks)
+
+
+def test_blocks_with_a_forward_set_on_the_instance_are_left_alone():
+    tower = StackTower(depth=4)
+    tower.blocks[2].forward = lambda x: x
+    assert repeated_blocks(tower) == []
+
+
+def test_auto_compiles_the_blocks_only_when_they_hold_most_weights():
+    heavy_blocks = StackTower(head_width=4)
+    assert weight_share(list(heavy_blocks.blocks), heavy_blocks) > MIN_BLOCK_WEIGHT_SHARE
+    assert blocks_to_compile(heavy_blocks, "auto") == list(heavy_blocks.blocks)
+    heavy_head = StackTower(head_width=400)
+    assert weight_share(list(heavy_head.blocks), heavy_head) < MIN_BLOCK_WEIGHT_SHARE
+    assert blocks_to_compile(heavy_head, "auto") == []
+    assert blocks_to_compile(heavy_head, "blocks") == list(heavy_head.blocks)
+    assert blocks_to_compile(heavy_blocks, "whole") == []
+
+
+def test_blocks_scope_without_repeated_blocks_names_the_option_and_the_way_out():
+    with pytest.raises(ValueError, match=r"compile_scope='blocks'.*Linear.*'whole' or 'auto'"):
+        blocks_to_compile(nn.Linear(2, 2), "blocks")
+    with pytest.raises(ValueError, match=r"compile_scope must be one of auto, blocks, whole"):
+        blocks_to_compile(StackTower(), "layers")
+    assert blocks_to_compile(None, "auto") == []
+
+
+class CountingCompile:
+    """Stands for ``torch.compile``: wraps the function and counts its calls."""
+
+    def __init__(self) -> None:
+        self.compiled: list = []
+        self.calls = 0
+
+    def __call__(self, function):
+        self.compiled.append(function)
+
+        def compiled(*args, **kwargs):
+            self.calls += 1
+            return function(*args, **kwargs)
+
+        return compiled
+
+
+def test_installed_blocks_share_one_compiled_forward_and_are_restored():
+    torch.manual_seed(0)
+    tower = StackTower().eval()
+    x = torch.randn(5, 3)
+    expected = tower(x)
+    compile_function = CountingCompile()
+    compiled = CompiledBlocks(list(tower.blocks), compile_function)
+    assert compile_function.compiled == [Block.forward]
+    with compiled.installed():
+        torch.testing.assert_close(tower(x), expected)
+    assert compile_function.calls == len(tower.blocks)
+    tower(x)  # after: eager, the class forward again
+    assert compile_function.calls == len(tower.blocks)
+    assert not any("forward" in vars(block) for block in tower.blocks)
+
+
+def test_blocks_are_restored_when_the_forward_raises():
+    tower = StackTower()
+    compiled = CompiledBlocks(list(tower.blocks), CountingCompile())
+    with pytest.raises(RuntimeError, match="mat1 and mat2"), compiled.installed():
+        tower(torch.randn(2, 7))  # wrong width
+    assert not any("forward" in vars(block) for block in tower.blocks)
