@@ -72,7 +72,8 @@ def blocks_to_compile(tower: nn.Module | None, scope: str) -> list[nn.Module]:
             repeated blocks.
     """
     if scope not in COMPILE_SCOPES:
-        raise ValueError(f"compile_scope must be one of {', '.join(COMPILE_SCOPES)} (got {scope!r})")
+        allowed = ", ".join(COMPILE_SCOPES)
+        raise ValueError(f"compile_scope must be one of {allowed} (got {scope!r})")
     if scope == "whole":
         return []
     blocks = repeated_blocks(tower) if isinstance(tower, nn.Module) else []
