@@ -99,9 +99,9 @@ class CUDAGraphCallback(Callback):
             (graphs timed against eager on the first real items; a sub-batch
             runs where it is faster). Measuring needs CUDA.
         compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
-        compile_scope: what ``compile`` compiles: ``auto`` (the tower's repeated
-            blocks once, when they hold most of its weights; else the whole
-            graph forward), ``blocks`` or ``whole``.
+        compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
+            repeated blocks once, when they hold most of its weights; else the
+            whole graph forward), ``blocks`` or ``whole``.
         capture: ``paid_back`` (a key is captured once its expected replays in the
             run repay the capture) or ``first_use`` (at the first batch that needs it).
         min_sightings: sightings of a key before ``paid_back`` may capture it.

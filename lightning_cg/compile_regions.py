@@ -21,9 +21,10 @@ from contextlib import contextmanager
 
 from torch import nn
 
-#: ``compile_scope`` values: ``auto`` compiles the repeated blocks when they hold
-#: most of the tower's weights and the whole graph forward otherwise; ``blocks``
-#: requires such blocks; ``whole`` always compiles the whole graph forward.
+#: ``compile_scope`` values: ``auto`` compiles the repeated blocks of a tower
+#: compiled with dynamic shapes (the packed towers) when they hold most of its
+#: weights, and the whole graph forward otherwise; ``blocks`` requires such
+#: blocks; ``whole`` always compiles the whole graph forward.
 COMPILE_SCOPES = ("auto", "blocks", "whole")
 
 #: Share of the tower's weights its repeated blocks must hold for ``auto`` to
@@ -60,12 +61,18 @@ def weight_share(blocks: list[nn.Module], tower: nn.Module) -> float:
     return held / total
 
 
-def blocks_to_compile(tower: nn.Module | None, scope: str) -> list[nn.Module]:
+def blocks_to_compile(tower: nn.Module | None, scope: str, dynamic_shapes: bool) -> list[nn.Module]:
     """The blocks regional compilation compiles for ``scope``; empty: compile the whole forward.
+
+    ``auto`` leaves static-shape compiles (batch-first towers) whole: each of
+    their budgets compiles in seconds, and the whole forward's figures are the
+    ones measured (BENCHMARKS.md); a dynamic compile of a whole packed tower
+    took 30-60 s.
 
     Args:
         tower: the adapter's tower; None (an adapter without one) compiles the whole forward.
         scope: one of :data:`COMPILE_SCOPES`.
+        dynamic_shapes: the compile has symbolic sizes (one compile for every budget).
 
     Raises:
         ValueError: ``scope`` is unknown, or ``blocks`` and the tower has no
@@ -74,7 +81,7 @@ def blocks_to_compile(tower: nn.Module | None, scope: str) -> list[nn.Module]:
     if scope not in COMPILE_SCOPES:
         allowed = ", ".join(COMPILE_SCOPES)
         raise ValueError(f"compile_scope must be one of {allowed} (got {scope!r})")
-    if scope == "whole":
+    if scope == "whole" or (scope == "auto" and not dynamic_shapes):
         return []
     blocks = repeated_blocks(tower) if isinstance(tower, nn.Module) else []
     if scope == "blocks":

@@ -89,7 +89,8 @@ class CompiledEncoder:
             mode=None,
             backend=backend,
         )
-        blocks = blocks_to_compile(getattr(encoder, "tower", None), scope)
+        tower = getattr(encoder, "tower", None)
+        blocks = blocks_to_compile(tower, scope, dynamic_shapes=not self.static_shapes)
         #: The compiled repeated blocks; None when the whole graph forward is compiled.
         self.compiled_blocks = CompiledBlocks(blocks, compile_function) if blocks else None
         if self.compiled_blocks is None:

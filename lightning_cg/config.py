@@ -166,9 +166,9 @@ class GraphConfig:
             ``measured`` (a path's whole ladder captured and timed against
             eager on its first real items; graphs only where faster).
         compile: capture a ``torch.compile``'d graph forward.
-        compile_scope: what ``compile`` compiles: ``auto`` (the tower's repeated
-            blocks, once for all of them, when they hold most of its weights;
-            else the whole graph forward), ``blocks`` or ``whole``
+        compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
+            repeated blocks, once for all of them, when they hold most of its
+            weights; else the whole graph forward), ``blocks`` or ``whole``
             (:mod:`lightning_cg.compile_regions`). Only with ``compile``.
         capture_errors: ``raise`` a capture error without a known fallback, or
             turn every path ``eager`` from then on.

@@ -5,7 +5,6 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
-from torchvision.models import resnet50
 from toy_encoder import ToyEncoder, ToyTower
 
 import lightning_cg.manager as manager_module
@@ -14,6 +13,7 @@ from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.encoder import GraphableEncoder
 from lightning_cg.manager import EncoderGraphManager
+from lightning_cg.models.lit import build_tower
 from lightning_cg.models.packed_vit import PackedViT
 from lightning_cg.models.packed_vit_config import packed_vit_small_config
 from lightning_cg.replay import relative_error
@@ -203,11 +203,16 @@ def test_whole_scope_compiles_the_whole_graph_forward():
     assert encoder.compiled_blocks is None
 
 
-def test_auto_scope_compiles_transformer_blocks_and_a_resnet_whole():
+def test_auto_scope_compiles_packed_blocks_and_batch_first_towers_whole():
     packed = CompiledEncoder(PackedEncoderAdapter(PackedViT(packed_vit_small_config())), "eager")
     assert packed.compiled_blocks is not None and len(packed.compiled_blocks.blocks) == 12
-    resnet = CompiledEncoder(BatchedEncoderAdapter(resnet50().eval()), backend="eager")
-    assert resnet.compiled_blocks is None  # its largest stage holds a quarter of the weights
+    vit = build_tower(
+        "vit_b_16", image_size=32, num_layers=3, num_heads=2, hidden_dim=32, mlp_dim=64
+    )
+    # Static shapes: whole by default, the encoder's layers when asked for.
+    assert CompiledEncoder(BatchedEncoderAdapter(vit), "eager").compiled_blocks is None
+    blocks = CompiledEncoder(BatchedEncoderAdapter(vit), "eager", scope="blocks").compiled_blocks
+    assert blocks.blocks == list(vit.encoder.layers)
 
 
 @pytest.mark.cuda
