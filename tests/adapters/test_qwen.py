@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from lightning_cg.adapters import adapter_for
 from lightning_cg.adapters.qwen import QwenVisionAdapter
 from lightning_cg.callback import CUDAGraphCallback
+from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.encoder import CaptureSpec, GraphableEncoder
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import patchify
@@ -145,6 +146,24 @@ def test_random_batch_compositions_equal_the_towers_forward(kind, compositions):
         else:
             assert actual.pooler_output.shape == (0, 24)
     assert manager.stats.hits > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_blocks_equal_the_towers_forward(kind):
+    # backend="eager": dynamo traces each block's forward, shared by the blocks,
+    # without generating code.
+    tower = tiny_tower(kind)
+    encoder = CompiledEncoder(adapter_for(tower), backend="eager", scope="blocks")
+    assert encoder.compiled_blocks.blocks == list(tower.blocks)
+    manager = EncoderGraphManager(
+        encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
+    )
+    for seed in range(3):
+        hidden_states, grid_thw = random_batch(seed, count=3)
+        actual = graphed(manager, hidden_states, grid_thw)
+        assert_outputs_equal(actual, eager(tower, hidden_states, grid_thw), atol=1e-5, rtol=1e-5)
+    assert manager.stats.hits > 0
+    assert not any("forward" in vars(block) for block in tower.blocks)
 
 
 @pytest.mark.parametrize("kind", KINDS)
