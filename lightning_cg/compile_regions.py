@@ -5,8 +5,8 @@ that hold nearly all of their weights. Compiling one block's ``forward`` and
 letting every block call it costs one block's compile instead of the whole
 tower's: dynamo treats the block's parameters as inputs, so the code compiled
 for the first block serves the others (torch's "regional compilation" recipe).
-On the H200, packed_vit_small's compile and first captures took 9 s against
-about 30 s for the whole graph forward (BENCHMARKS.md, "Eleventh session").
+On the H200, a cold compile of packed_vit_small or packed_vit took about 5 s
+against 30-60 s for the whole graph forward (BENCHMARKS.md, "Eleventh session").
 
 The compiled forward is installed on the blocks only while a graph forward runs
 (the manager's warm-up and capture) and taken off afterwards, so the tower's
@@ -113,7 +113,7 @@ class CompiledBlocks:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """Within the block, every block's calls run the compiled forward."""
+        """Inside the ``with`` statement, every block's calls run the compiled forward."""
         for block in self.blocks:
             block.forward = functools.partial(self.compiled_forward, block)
         try:
