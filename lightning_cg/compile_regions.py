@@ -36,15 +36,18 @@ MIN_BLOCK_WEIGHT_SHARE = 0.5
 def repeated_blocks(tower: nn.Module) -> list[nn.Module]:
     """The largest ``ModuleList`` / ``Sequential`` in ``tower`` of 2+ blocks of one class.
 
-    Lists whose blocks have a ``forward`` set on the instance are skipped: that
-    attribute is where the compiled forward goes. Ties go to the first found.
+    A block listed twice (shared weights) counts once. Lists whose blocks have a
+    ``forward`` set on the instance are skipped: that attribute is where the
+    compiled forward goes. Ties go to the first found.
     """
     best: list[nn.Module] = []
     for module in tower.modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        blocks = list(module)
-        if len({type(block) for block in blocks}) != 1 or len(blocks) <= len(best):
+        blocks = list(dict.fromkeys(module))  # modules hash by identity
+        if len(blocks) < 2 or len({type(block) for block in blocks}) != 1:
+            continue
+        if len(blocks) <= len(best):
             continue
         if any("forward" in vars(block) for block in blocks):
             continue

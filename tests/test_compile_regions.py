@@ -47,6 +47,19 @@ def test_the_largest_list_of_blocks_of_one_class_is_found():
     assert repeated_blocks(tower) == list(tower.blocks)
 
 
+def test_a_block_listed_twice_is_compiled_and_restored_once():
+    tower = StackTower(depth=2)
+    shared = tower.blocks[0]
+    tower.blocks.append(shared)  # weight sharing: the first block runs again last
+    blocks = repeated_blocks(tower)
+    assert blocks == [shared, tower.blocks[1]]
+    x = torch.randn(3, 3)
+    expected = tower(x)
+    with CompiledBlocks(blocks, CountingCompile()).installed():
+        torch.testing.assert_close(tower(x), expected)
+    assert not any("forward" in vars(block) for block in tower.blocks)
+
+
 def test_blocks_with_a_forward_set_on_the_instance_are_left_alone():
     tower = StackTower(depth=4)
     tower.blocks[2].forward = lambda x: x
