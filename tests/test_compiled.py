@@ -187,13 +187,13 @@ def test_repeated_blocks_compile_once_for_every_block_and_budget():
     manager = EncoderGraphManager(encoder, capture="first_use")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for grid in ([(1, 4, 4)], [(1, 4, 6), (1, 2, 2)], [(1, 8, 8)], [(1, 2, 4)] * 3):
+        for grid in ([(1, 4, 4)], [(1, 4, 6), (1, 2, 2)], [(1, 2, 4)] * 3, [(1, 24, 24)]):
             patches = torch.randn(sum(h * w for _, h, w in grid), 3 * 16 * 16, generator=generator)
             call = encoder.inputs_from_call((patches, torch.tensor(grid)), {})
             torch.testing.assert_close(manager.execute(call), tower(patches, torch.tensor(grid)))
-    # Three graphs of the 64-token budget, with 1, 2 and 4 item slots: buffers of
-    # three shapes.
-    assert len(manager.cache) == 3
+    # Graphs of the 64-token budget with 1, 2 and 4 item slots, and of the
+    # 256-token budget (144 tokens): buffers of four shapes.
+    assert len(manager.cache) == 4
     assert backend.compiles == 1  # one block's forward, shared by all blocks and shapes
     # The tower's own (eager) calls above ran the class forward: nothing left installed.
     assert not any("forward" in vars(block) for block in tower.blocks)
