@@ -235,6 +235,24 @@ def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     assert_same_output(execute(manager, x), eager(tower, x))
 
 
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_encoder_layers_equal_the_towers_forward(kind):
+    # backend="eager": dynamo traces one encoder layer's forward, which every
+    # layer calls, without generating code.
+    tower = tiny_tower(kind)
+    encoder = CompiledEncoder(HFEncoderAdapter(tower), backend="eager", scope="blocks")
+    blocks = encoder.compiled_blocks.blocks
+    assert len(blocks) == TINY["num_hidden_layers"]
+    assert type(blocks[0]).__name__.endswith("Layer")  # e.g. CLIPEncoderLayer, ViTLayer
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
+    for batch_size in (1, 3, 2):
+        x = torch.randn(batch_size, 3, 32, 32)
+        assert_same_output(execute(manager, pixel_values=x), eager(tower, pixel_values=x))
+    assert manager.stats.hits == 3
+    assert not any("forward" in vars(block) for block in blocks)
+
+
 # ---------------------------------------------------------------- errors
 
 
