@@ -11,6 +11,22 @@ against 30-60 s for the whole graph forward (BENCHMARKS.md, "Eleventh session").
 The compiled forward is installed on the blocks only while a graph forward runs
 (the manager's warm-up and capture) and taken off afterwards, so the tower's
 eager calls, training among them, never run compiled code.
+
+One compile must serve every block and every budget, so the blocks' calls keep
+from dynamo what it would specialize on (the Qwen towers' block compiled 3-4
+times over two budgets without this; tests/adapters/test_qwen.py counts):
+
+* a view among the arguments (the first block's input is a view of the patch
+  embedding's output; Qwen2.5-VL's rotary tables are views of their window
+  reordering) makes dynamo guard on its base: the next block, whose input is
+  no view, recompiles, and the base's sizes specialize as well. Without grad
+  (graph forwards run without it) the blocks get a detached alias of the same
+  memory instead, which is no view: no copy, no kernel. With grad, views stay
+  (autograd needs them) and may recompile.
+* duck sizing gives sizes that are equal at the first compile one symbol: a
+  budget whose rows equal the hidden width specializes the rows to the width
+  (the weights fix it), and the next budget recompiles. The blocks' calls run
+  with it off, so every size gets a symbol of its own.
 """
 
 from __future__ import annotations
@@ -18,8 +34,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import nn
+from torch.fx.experimental import _config as symbolic_shapes_config
+from torch.utils._pytree import tree_map_only
 
 #: ``compile_scope`` values: ``auto`` compiles the repeated blocks of a tower
 #: compiled with dynamic shapes (the packed towers) when they hold most of its
@@ -118,9 +138,22 @@ class CompiledBlocks:
     def installed(self) -> Iterator[None]:
         """Inside the ``with`` statement, every block's calls run the compiled forward."""
         for block in self.blocks:
-            block.forward = functools.partial(self.compiled_forward, block)
+            block.forward = functools.partial(self._forward, block)
         try:
             yield
         finally:
             for block in self.blocks:
                 del block.forward
+
+    def _forward(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """``block``'s call, run by the compiled forward without what would recompile it
+        (see the module's docstring)."""
+        if not torch.is_grad_enabled():
+            args, kwargs = tree_map_only(torch.Tensor, _without_view, (args, kwargs))
+        with symbolic_shapes_config.patch(use_duck_shape=False):
+            return self.compiled_forward(block, *args, **kwargs)
+
+
+def _without_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or when it is a view, an alias of its memory that is none (no copy)."""
+    return tensor.detach() if tensor._is_view() else tensor

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -130,3 +132,56 @@ def test_blocks_are_restored_when_the_forward_raises():
     with pytest.raises(RuntimeError, match="mat1 and mat2"), compiled.installed():
         tower(torch.randn(2, 7))  # wrong width
     assert not any("forward" in vars(block) for block in tower.blocks)
+
+
+class ViewInputTower(StackTower):
+    """A :class:`StackTower` whose first block gets a view (of the embedding's output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x).view(-1, self.head.in_features)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class GraphCounter:
+    """A ``torch.compile`` backend that runs the traced graph as it is and counts the graphs."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list):
+        self.graphs += 1
+        return graph_module.forward
+
+
+def test_one_dynamic_compile_serves_a_view_input_and_rows_equal_to_the_width():
+    # The first block's input is a view, the others' are not; the first call's
+    # 16 rows equal the blocks' width. Either would recompile the block.
+    torch.manual_seed(0)
+    tower = ViewInputTower(width=16).eval()
+    backend = GraphCounter()
+    compiled = CompiledBlocks(
+        list(tower.blocks), functools.partial(torch.compile, dynamic=True, backend=backend)
+    )
+    with torch.no_grad():
+        for rows in (16, 24, 40):
+            x = torch.randn(rows, 3)
+            with compiled.installed():
+                actual = tower(x)
+            torch.testing.assert_close(actual, tower(x))
+    assert backend.graphs == 1
+
+
+def test_with_grad_the_blocks_inputs_keep_their_autograd_history():
+    torch.manual_seed(0)
+    tower = ViewInputTower(width=16)
+    x = torch.randn(4, 3)
+    tower(x).sum().backward()
+    expected = [parameter.grad.clone() for parameter in tower.parameters()]
+    tower.zero_grad()
+    compiled = CompiledBlocks(list(tower.blocks), functools.partial(torch.compile, backend="eager"))
+    with compiled.installed():
+        tower(x).sum().backward()
+    for parameter, gradient in zip(tower.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, gradient)
