@@ -74,6 +74,12 @@ METADATA_ARGUMENTS = (
     "interp_indices",
     "interp_weights",
 )
+#: Fewest slots of an offsets buffer (``cu_seqlens``, ``cu_window_seqlens``). One
+#: frame's two would give a compile with dynamic shapes (aot_autograd, inductor)
+#: one sequence length (``cu_seqlens[1:]``), a size of 1 that it specializes:
+#: the first graph of more frames would compile again. A third slot is an empty
+#: sequence, which costs no attention.
+MIN_OFFSET_SLOTS = 3
 #: Call options (besides ``return_dict``) that become part of the graph signature.
 OptionValue = bool | int | float | str | None
 Options = tuple[tuple[str, OptionValue], ...]
@@ -255,8 +261,9 @@ class QwenVisionAdapter:
             int32 ``(max_frames + 1,)``; ``position_ids`` ``(budget * merge**2, 2)``;
             for Qwen2.5-VL ``window_index`` ``(budget,)`` and ``cu_window_seqlens``
             with a slot for the most windows ``max_frames`` frames of ``budget``
-            tokens can have; for Qwen3-VL ``interp_indices`` and
-            ``interp_weights`` ``(budget * merge**2, taps)``; on the signature's device.
+            tokens can have (either at least :data:`MIN_OFFSET_SLOTS` slots); for
+            Qwen3-VL ``interp_indices`` and ``interp_weights`` ``(budget * merge**2, taps)``;
+            on the signature's device.
         """
         self._check_path(spec.path)
         dtype, device, options = spec.signature
@@ -268,7 +275,8 @@ class QwenVisionAdapter:
             slots["cu_window_seqlens"] = windows + 1
         for name, size in slots.items():
             offsets = metadata[name]
-            metadata[name] = torch.cat([offsets, offsets[-1:].expand(size - len(offsets))])
+            padding = max(size, MIN_OFFSET_SLOTS) - len(offsets)
+            metadata[name] = torch.cat([offsets, offsets[-1:].expand(padding)])
         patches = torch.zeros(rows, self._patch_dim, dtype=dtype)
         buffers = {_patches_name(options): patches, **metadata}
         return {name: buffer.to(device) for name, buffer in buffers.items()}
