@@ -98,7 +98,10 @@ class CUDAGraphCallback(Callback):
         dispatch: ``budget`` (a graph wherever a budget fits) or ``measured``
             (graphs timed against eager on the first real items; a sub-batch
             runs where it is faster). Measuring needs CUDA.
-        compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
+        compile: capture a ``torch.compile``'d graph forward: ``"auto"`` once the
+            run's remaining calls are expected to repay the compile
+            (:mod:`lightning_cg.compile_policy`), ``True`` from the first capture
+            (not with PIECEWISE modes), ``False`` never.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks once, when they hold most of its weights; else the
             whole graph forward), ``blocks`` or ``whole``.
@@ -135,7 +138,7 @@ class CUDAGraphCallback(Callback):
         piecewise_fallback: str = "error",
         encoder_data_parallel: bool = False,
         dispatch: str = "budget",
-        compile: bool = False,
+        compile: bool | str = "auto",
         compile_scope: str = "auto",
         capture: str = "paid_back",
         min_sightings: int = 2,

@@ -69,5 +69,11 @@ def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_c
             f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
             f"padding waste {stats['padding_waste']:.1%}, "
             f"{stats['graphs_captured']:.0f} graphs captured in "
-            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)"
+            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)" + _compiling(stats)
         )
+
+
+def _compiling(stats: Mapping[str, float]) -> str:
+    """What compiling cost this run, if it compiled."""
+    seconds = stats.get("compile_seconds_run", 0.0)
+    return f", {seconds:.2f} s of it compiling the graph forward" if seconds else ""

@@ -224,6 +224,12 @@ class CapturePolicy:
             "expected_sightings": self._expected_sightings(record),
         }
 
+    def remaining_calls(self) -> int:
+        """Calls the run still expects; when unknown, as many again as so far."""
+        if self._expected_calls is None:
+            return self._calls
+        return max(self._expected_calls - self._run_calls, 0)
+
     def _expected_sightings(self, record: _KeyRecord) -> float:
         path_sub_batches = self._path_sub_batches[record.path]
         share = record.sightings / path_sub_batches
@@ -231,8 +237,7 @@ class CapturePolicy:
             # Nothing known of the future: expect as many sub-batches again.
             return share * path_sub_batches
         sub_batches_per_call = path_sub_batches / max(self._calls, 1)
-        remaining_calls = max(self._expected_calls - self._run_calls, 0)
-        return share * sub_batches_per_call * remaining_calls
+        return share * sub_batches_per_call * self.remaining_calls()
 
     def _graph_ratio(self, record: _KeyRecord) -> float:
         """Graph / eager time of ``record``'s key at its mean real tokens: measured,

@@ -11,12 +11,22 @@ shapes. The mode is the default: the manager does the graphing, so inductor's
 own cudagraphs (``reduce-overhead``) stay off. ``compile_scope`` says what is
 compiled: the tower's repeated blocks, once for all of them
 (:mod:`lightning_cg.compile_regions`), or the whole graph forward.
+
+With ``compile="auto"`` the manager wraps the adapter from the start but
+starts compiling only when :mod:`lightning_cg.compile_policy` says a run repays
+it; until then the graph forward is the adapter's own. A compile the user did
+not ask for must not break a run: if it fails, the adapter's forward serves
+from then on, with a warning. With either value the manager compares each
+compiled graph's first replay with eager and gives compiling up
+(:meth:`CompiledEncoder.give_up`) when they differ: inductor has been seen to
+miscompile a tower's blocks at some sizes.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -26,19 +36,25 @@ from lightning_cg.compile_regions import CompiledBlocks, blocks_to_compile
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder, ItemSpec
 
+#: Values of the ``compile`` option: off, on from the first capture, or when a run repays it.
+COMPILE_CHOICES = (False, True, "auto")
 
-def check_compile(compile: bool, mode: GraphMode) -> bool:
-    """``compile`` if ``mode`` can capture a compiled graph forward.
+
+def check_compile(compile: bool | str, mode: GraphMode) -> bool | str:
+    """``compile`` if it is one of :data:`COMPILE_CHOICES` and ``mode`` can capture
+    a compiled graph forward (``auto`` never compiles in PIECEWISE modes).
 
     Raises:
-        ValueError: ``compile`` is on and ``mode`` splits the graph forward into
-            pieces (PIECEWISE), which a compiled forward cannot be.
+        ValueError: another value, or ``compile=True`` with a mode that splits the
+            graph forward into pieces (PIECEWISE), which a compiled forward cannot be.
     """
-    if compile and mode.requires_piecewise():
+    if not (isinstance(compile, bool) or compile == "auto"):
+        raise ValueError(f"compile must be one of true, false, auto; got compile={compile!r}")
+    if compile is True and mode.requires_piecewise():
         raise ValueError(
             "compile=True captures the whole compiled graph forward; mode "
-            f"{mode.value!r} splits it into pieces. Use compile=False, or a mode without "
-            "pieces: none, full, full_uniform_only"
+            f"{mode.value!r} splits it into pieces. Use compile=False (or auto), or a mode "
+            "without pieces: none, full, full_uniform_only"
         )
     return compile
 
@@ -60,6 +76,9 @@ class CompiledEncoder:
         on_compile: called with the seconds of each graph forward that may compile.
         scope: a :data:`~lightning_cg.compile_regions.COMPILE_SCOPES` value: what
             is compiled, the tower's repeated blocks or the whole graph forward.
+        started: compile from the first graph forward; False waits for :meth:`start`.
+        fall_back: a failed compile warns and the adapter's own graph forward
+            serves from then on, instead of raising.
 
     Example:
         >>> manager = EncoderGraphManager(CompiledEncoder(PackedEncoderAdapter(tower)))
@@ -72,6 +91,8 @@ class CompiledEncoder:
         backend: str | Callable = "inductor",
         on_compile: Callable[[float], None] | None = None,
         scope: str = "auto",
+        started: bool = True,
+        fall_back: bool = False,
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
             raise TypeError(
@@ -100,7 +121,26 @@ class CompiledEncoder:
         #: Seconds of the graph forwards that may compile: compilation, mostly.
         self.compile_seconds = 0.0
         self.on_compile = on_compile
+        #: Whether graph forwards run compiled (see :meth:`start`).
+        self.started = started
+        self.fall_back = fall_back
+        #: Why compiling was given up (a failed compile with ``fall_back``, or
+        #: outputs that differ from eager), or None.
+        self.compile_error: str | None = None
         self._compiled: set[Hashable] = set()
+
+    @property
+    def compiles(self) -> str:
+        """What is compiled: ``blocks``, or the whole forward at ``whole_static`` or
+        ``whole_dynamic`` shapes (the keys of the compile-time estimates)."""
+        if self.compiled_blocks is not None:
+            return "blocks"
+        return "whole_static" if self.static_shapes else "whole_dynamic"
+
+    def start(self) -> None:
+        """Run graph forwards compiled from now on (graphs captured before ran the
+        adapter's own forward: the caller drops them)."""
+        self.started = self.compile_error is None
 
     # The protocol's methods are spelled out: isinstance checks of runtime
     # protocols look them up statically (Python >= 3.12), past __getattr__.
@@ -136,18 +176,47 @@ class CompiledEncoder:
         return self.encoder.postprocess(outputs, inputs)
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The wrapped encoder's graph forward, compiled."""
+        """The wrapped encoder's graph forward, compiled once :attr:`started`."""
+        if not self.started:
+            return self.encoder.graph_forward(path, buffers)
         compiled_for = self._compiled_for(path, buffers)
         if compiled_for in self._compiled:
             return self.compiled_forward(path, buffers)
-        started = time.perf_counter()
-        output = self.compiled_forward(path, buffers)
-        seconds = time.perf_counter() - started
+        began = time.perf_counter()
+        try:
+            output = self.compiled_forward(path, buffers)
+        except torch.OutOfMemoryError:
+            raise  # the capturer's to handle (a budget too large), not the compile's
+        except Exception as error:
+            if not self.fall_back:
+                raise
+            return self._give_up_compiling(error, path, buffers)
+        seconds = time.perf_counter() - began
         self.compile_seconds += seconds
         self._compiled.add(compiled_for)
         if self.on_compile is not None:
             self.on_compile(seconds)
         return output
+
+    def give_up(self, reason: str) -> None:
+        """Stop compiling for good: warn with ``reason``; graph forwards are the
+        adapter's own from now on."""
+        self.compile_error = reason
+        self.started = False
+        warnings.warn(
+            f"compiling {type(self.encoder).__name__}'s graph forward was given up "
+            f"({reason[:300]}); graphs capture the uncompiled forward",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _give_up_compiling(
+        self, error: Exception, path: str, buffers: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        # Dynamo's errors span lines (a backend's own error comes after a header).
+        lines = (line.strip() for line in str(error).splitlines())
+        self.give_up(f"{type(error).__name__}: {' '.join(filter(None, lines))}")
+        return self.encoder.graph_forward(path, buffers)
 
     def _forward_with_compiled_blocks(
         self, path: str, buffers: Mapping[str, torch.Tensor]

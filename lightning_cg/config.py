@@ -165,11 +165,14 @@ class GraphConfig:
         dispatch: ``budget`` (the smallest fitting budget's graph) or
             ``measured`` (a path's whole ladder captured and timed against
             eager on its first real items; graphs only where faster).
-        compile: capture a ``torch.compile``'d graph forward.
+        compile: ``auto``: capture a ``torch.compile``'d graph forward once a
+            run's remaining calls are expected to repay the compile
+            (:mod:`lightning_cg.compile_policy`; a failed compile falls back to
+            the uncompiled forward); ``true``: from the first capture; ``false``: never.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks, once for all of them, when they hold most of its
             weights; else the whole graph forward), ``blocks`` or ``whole``
-            (:mod:`lightning_cg.compile_regions`). Only with ``compile``.
+            (:mod:`lightning_cg.compile_regions`). Not with ``compile=false``.
         capture_errors: ``raise`` a capture error without a known fallback, or
             turn every path ``eager`` from then on.
         capture: ``paid_back``: a key runs eagerly until it has been seen
@@ -197,7 +200,7 @@ class GraphConfig:
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     piecewise_fallback: str = "error"
     dispatch: str = "budget"
-    compile: bool = False
+    compile: bool | str = "auto"
     compile_scope: str = "auto"
     capture_errors: str = "raise"
     capture: str = "paid_back"
@@ -227,17 +230,17 @@ class GraphConfig:
             for count in self.uniform_item_counts:
                 _check_positive_int("uniform_item_counts[]", count)
             set_field(self, "uniform_item_counts", tuple(self.uniform_item_counts))
-        for name in ("verify", "compile", "drop_slower_graphs", "cast_weights_per_run"):
+        for name in ("verify", "drop_slower_graphs", "cast_weights_per_run"):
             _check_bool(name, getattr(self, name))
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)
         check_dispatch(self.dispatch)
         check_compile(self.compile, self.mode)
         _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
-        if self.compile_scope != "auto" and not self.compile:
+        if self.compile_scope != "auto" and self.compile is False:
             raise ValueError(
-                f"compile_scope={self.compile_scope!r} says what compile=True compiles; "
-                "compile is False. Set compile=True, or leave compile_scope at 'auto'"
+                f"compile_scope={self.compile_scope!r} says what compile compiles; "
+                "compile is False. Set compile=True or 'auto', or leave compile_scope at 'auto'"
             )
         _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)

@@ -13,6 +13,8 @@ lifecycle (runs, clearing, learning budgets) it keeps:
 - :class:`~lightning_cg.capture_policy.CapturePolicy`: whether a key is worth
   capturing now (on demand, once its replays are expected to repay it);
 - :class:`~lightning_cg.capture.GraphCapturer`: capture and fault recovery;
+- :class:`~lightning_cg.compile_policy.CompilePolicy`: with ``compile="auto"``,
+  when the run is expected to repay compiling the graph forward;
 - :class:`~lightning_cg.call_runner.CallRunner`: one call, sub-batch by
   sub-batch (routing by :class:`~lightning_cg.routing.Router`, replay by
   :mod:`lightning_cg.replay`: fill, pad, replay, verify);
@@ -26,6 +28,7 @@ pieces, scatter) without capture. The manager knows nothing of Lightning.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -36,8 +39,10 @@ from lightning_cg.cache import GraphCache, GraphSet
 from lightning_cg.call_runner import CallRunner
 from lightning_cg.capture import GraphCapturer, ProgressFn, path_keys
 from lightning_cg.capture_policy import CapturePolicy
+from lightning_cg.compile_policy import COMPILE_SECONDS_PRIOR, CompilePolicy
 from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.config import BudgetConfig, GraphConfig
+from lightning_cg.dispatcher import GraphMode
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.outputs import CallOutputs
@@ -47,6 +52,8 @@ from lightning_cg.stats import GraphStats
 from lightning_cg.weight_casts import weight_casts_for
 
 __all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
+
+logger = logging.getLogger(__name__)
 
 
 class EncoderGraphManager:
@@ -86,19 +93,31 @@ class EncoderGraphManager:
         # Adapters that build their output from each path's rows in item order
         # skip the per-item split and join (host time per item).
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
-        if self.config.compile:
-            encoder = CompiledEncoder(
+        compile_now = self.config.compile is True
+        #: The compiling wrapper of the adapter (None when nothing may compile).
+        self.compiled_encoder: CompiledEncoder | None = None
+        if compile_now or self._may_compile_later():
+            encoder = self.compiled_encoder = CompiledEncoder(
                 encoder,
                 on_compile=self._count_compile_seconds,
                 scope=self.config.compile_scope,
+                started=compile_now,
+                fall_back=not compile_now,
             )
+        #: When ``compile="auto"`` starts compiling; None when it cannot or has.
+        self.compile_policy = (
+            CompilePolicy(COMPILE_SECONDS_PRIOR[self.compiled_encoder.compiles])
+            if self.compiled_encoder is not None and not compile_now
+            else None
+        )
+        self._cuda = torch.cuda.is_available()
         self.encoder = encoder
         self.encoder_config = encoder.graph_config()
         choices = path_budget_choices(self.encoder_config, self.config)
         self.paths, max_items = plan_paths(encoder, self.config, choices)
         self.cache = GraphCache()
         # Not for compiled capture: a copy's dtype would recompile the forward.
-        casts_on = self.config.cast_weights_per_run and not self.config.compile
+        casts_on = self.config.cast_weights_per_run and not compile_now
         self.weight_casts = weight_casts_for(encoder, casts_on)
         self.capturer = GraphCapturer(
             encoder, self.config, self.paths, self.cache, self.stats, progress, self.weight_casts
@@ -107,7 +126,7 @@ class EncoderGraphManager:
             first_use=self.config.capture == "first_use",
             min_sightings=self.config.min_sightings,
             drop_slower_graphs=self.config.drop_slower_graphs,
-            graphs_fuse_work=self.config.compile,
+            graphs_fuse_work=compile_now,
         )
         self.auto_ladder = AutoLadder(
             choices,
@@ -134,6 +153,8 @@ class EncoderGraphManager:
             max_items,
             self.encoder_config.padding_rules,
         )
+        if compile_now:
+            self.runner.on_compiled_mismatch = self._stop_compiling
 
     # ------------------------------------------------------------- public API
 
@@ -192,6 +213,41 @@ class EncoderGraphManager:
         self.policy.forget_graphs()
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
+
+    def start_compiling(self) -> None:
+        """Capture the compiled graph forward from now on (``compile="auto"`` does
+        this when a run is expected to repay it). The graphs of the uncompiled
+        forward are dropped; keys are captured again, compiled, as they pay.
+
+        Raises:
+            RuntimeError: nothing may compile (``compile=False``, or a mode
+                without FULL graphs).
+        """
+        if self.compiled_encoder is None:
+            raise RuntimeError(
+                f"start_compiling needs compile=True or 'auto' and a FULL mode; got "
+                f"compile={self.config.compile!r}, mode={self.mode.value!r}"
+            )
+        if self.compiled_encoder.started:
+            return
+        self.clear()
+        self.compiled_encoder.start()
+        # The low-precision weight copies change the dtypes the compiled code
+        # guards on: compiled graphs cast as they run instead.
+        self.weight_casts = self.capturer.weight_casts = None
+        self.policy.graphs_fuse_work = True
+        self.compile_policy = None
+        self.runner.on_compiled_mismatch = self._stop_compiling
+
+    def _stop_compiling(self, reason: str) -> None:
+        """A compiled graph's output differed from eager: drop the compiled graphs
+        and capture the adapter's own forward from now on, for good."""
+        self.compiled_encoder.give_up(reason)
+        self.runner.on_compiled_mismatch = None
+        self.clear()
+        self.weight_casts = weight_casts_for(self.encoder, self.config.cast_weights_per_run)
+        self.capturer.weight_casts = self.weight_casts
+        self.policy.graphs_fuse_work = False
 
     def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
         """Learn the ladder of every ``auto`` path from a sample of batches.
@@ -255,7 +311,34 @@ class EncoderGraphManager:
         # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
         if torch.is_grad_enabled() or self._sampling(specs):
             return self.runner.run_eagerly(inputs, specs)
+        if self.compile_policy is not None:
+            return self._run_weighing_compile(inputs, specs)
         return self.runner.run(inputs, specs)
+
+    def _may_compile_later(self) -> bool:
+        """``compile="auto"`` with a mode whose graphs can be compiled (FULL ones)."""
+        mode = self.config.mode
+        return (
+            self.config.compile == "auto"
+            and mode is not GraphMode.NONE
+            and not mode.requires_piecewise()
+        )
+
+    def _run_weighing_compile(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
+        """A call while ``compile="auto"`` waits: some calls are timed on the GPU,
+        and before a call the run's remaining calls are weighed against the compile."""
+        compile_policy = self.compile_policy
+        if compile_policy.decide(self.policy.remaining_calls(), self.stats.capture_seconds):
+            estimates = compile_policy.estimates()
+            logger.info("compile='auto': compiling the graph forward (%s)", estimates)
+            self.start_compiling()
+            return self.runner.run(inputs, specs)
+        # Only GPU time decides: a tower on the CPU captures no graphs to compile.
+        if not (self._cuda and compile_policy.wants_call_timing()):
+            return self.runner.run(inputs, specs)
+        with self.runner.timer.timed(compile_policy.record_call) as timing:
+            timing.on_cuda = True
+            return self.runner.run(inputs, specs)
 
     def _sampling(self, specs: list[ItemSpec]) -> bool:
         """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
@@ -270,3 +353,4 @@ class EncoderGraphManager:
 
     def _count_compile_seconds(self, seconds: float) -> None:
         self.stats.compile_seconds += seconds
+        self.stats.compile_seconds_run += seconds

@@ -67,7 +67,7 @@ class CUDAGraphSchema:
     piecewise_fallback: str = "error"
     encoder_data_parallel: Any = False
     dispatch: str = "budget"
-    compile: Any = False
+    compile: Any = "auto"
     compile_scope: str = "auto"
     capture: str = "paid_back"
     min_sightings: int = 2

@@ -26,7 +26,8 @@ class GraphStats:
     of replays (metadata, copies, launch, clone; nothing waits for the GPU),
     launch seconds the part of it spent in the graph launch itself (the CUDA
     driver's work, not the manager's); compile seconds the first
-    graph forwards of a compiled encoder. The ``eager_*`` counters split the
+    graph forwards of a compiled encoder (part of the capture seconds), over
+    the manager's lifetime and in this run. The ``eager_*`` counters split the
     misses by reason (:data:`EAGER_REASONS`); with ``dispatch="measured"``,
     measured eager counts the path runs its table sent to eager though a graph
     fits, measured splits the ones it split.
@@ -48,6 +49,7 @@ class GraphStats:
     host_seconds: float = 0.0
     launch_seconds: float = 0.0
     compile_seconds: float = 0.0
+    compile_seconds_run: float = 0.0
     measured_eager: int = 0
     measured_splits: int = 0
     eager_no_graph_yet: int = 0

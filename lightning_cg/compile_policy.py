@@ -1,0 +1,99 @@
+"""When to compile: ``compile="auto"`` compiles once a run's remaining calls repay it.
+
+A compiled graph forward runs the tower's kernels fused: on the packed towers'
+GPU-bound batches of mixed sizes, where graphs alone are only as fast as eager,
+compiled graphs took 25-36% off each call (BENCHMARKS.md, eighth and eleventh
+sessions). The compile costs seconds once per process, and the graphs captured
+until then are captured again over the compiled forward. So
+:class:`CompilePolicy` compiles when
+
+    remaining calls x median call time x :data:`COMPILE_GAIN_PRIOR`
+        >= estimated compile seconds + capture seconds spent so far
+
+where the call times are the tower's whole calls (graphs and eager), timed on
+the GPU, and the remaining calls are those the run still expects (the capture
+policy's estimate: the Trainer's batch count, or as many again as so far).
+A short run, or one whose calls are too quick for fusion to matter, stays
+uncompiled; a long run of heavy calls compiles after a few calls. The compile
+seconds are estimated by what is compiled (:data:`COMPILE_SECONDS_PRIOR`,
+measured cold on the H200). The decision is taken once: a process compiles at
+most once. Pure Python: the timings come from the caller.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+#: Fraction of a call's time a compiled graph is expected to save; the least of
+#: the packed towers' measured 25-36% (H200, bf16, mixed-size batches of 8).
+COMPILE_GAIN_PRIOR = 0.25
+#: Seconds of a cold compile, by what is compiled (H200, torch 2.11): the
+#: repeated block of a packed tower once (5.0-5.3 s), a batch-first tower's whole
+#: forward at static shapes (8.5-13 s), a whole forward with dynamic shapes (20-60 s).
+COMPILE_SECONDS_PRIOR = {"blocks": 6.0, "whole_static": 12.0, "whole_dynamic": 45.0}
+#: Timed calls before the policy decides.
+MIN_SAMPLES = 8
+#: Timed calls kept; later ones replace the oldest, so a run's data decides.
+WINDOW = 16
+#: After the first :data:`MIN_SAMPLES`, one call in this many is timed.
+TIMING_STRIDE = 8
+
+
+class CompilePolicy:
+    """Decides when a manager with ``compile="auto"`` starts compiling.
+
+    Args:
+        compile_seconds: the estimated seconds of the compile.
+        gain: the fraction of a call's time compiling is expected to save.
+
+    Example:
+        >>> policy = CompilePolicy(compile_seconds=6.0)
+        >>> for _ in range(8):
+        ...     policy.record_call(0.075)
+        >>> policy.decide(remaining_calls=1000, capture_seconds=1.0)
+        True
+    """
+
+    def __init__(self, compile_seconds: float, gain: float = COMPILE_GAIN_PRIOR) -> None:
+        self.compile_seconds = compile_seconds
+        self.gain = gain
+        #: Whether the policy has decided to compile (it never goes back).
+        self.compiling = False
+        self._call_seconds: deque[float] = deque(maxlen=WINDOW)
+        # decide() runs before every call; the median changes only with a sample.
+        self._median: float | None = None
+        self._calls = 0
+
+    def wants_call_timing(self) -> bool:
+        """Whether the next call should be timed (counts the call)."""
+        if self.compiling:
+            return False
+        self._calls += 1
+        return len(self._call_seconds) < MIN_SAMPLES or self._calls % TIMING_STRIDE == 0
+
+    def record_call(self, seconds: float) -> None:
+        """One whole call of the tower took ``seconds``."""
+        self._call_seconds.append(seconds)
+        self._median = None
+
+    def decide(self, remaining_calls: float, capture_seconds: float) -> bool:
+        """True once: when the calls still expected repay the compile and the
+        recapture of what is captured (``capture_seconds``)."""
+        if self.compiling or len(self._call_seconds) < MIN_SAMPLES:
+            return False
+        if self._median is None:
+            self._median = statistics.median(self._call_seconds)
+        saved = remaining_calls * self._median * self.gain
+        self.compiling = saved >= self.compile_seconds + capture_seconds
+        return self.compiling
+
+    def estimates(self) -> dict[str, float | None]:
+        """What :meth:`decide` weighs (seconds), for logs and tests."""
+        timed = len(self._call_seconds)
+        return {
+            "timed_calls": timed,
+            "call_s": statistics.median(self._call_seconds) if timed else None,
+            "gain": self.gain,
+            "compile_s": self.compile_seconds,
+        }

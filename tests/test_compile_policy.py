@@ -1,0 +1,232 @@
+"""CompilePolicy (``compile="auto"``): when a run repays the compile, from injected
+call times, and the manager's switch to compiled graphs."""
+
+import functools
+import random
+
+import pytest
+import torch
+from toy_encoder import ToyEncoder, ToyTower
+
+import lightning_cg.manager as manager_module
+from lightning_cg.compile_policy import (
+    COMPILE_GAIN_PRIOR,
+    MIN_SAMPLES,
+    TIMING_STRIDE,
+    WINDOW,
+    CompilePolicy,
+)
+from lightning_cg.compiled import CompiledEncoder
+from lightning_cg.manager import EncoderGraphManager
+from lightning_cg.replay import relative_error
+
+
+def timed(policy: CompilePolicy, seconds: float, calls: int = MIN_SAMPLES) -> CompilePolicy:
+    for _ in range(calls):
+        policy.record_call(seconds)
+    return policy
+
+
+def test_nothing_is_decided_before_enough_calls_are_timed():
+    policy = timed(CompilePolicy(compile_seconds=1.0), 10.0, calls=MIN_SAMPLES - 1)
+    assert not policy.decide(remaining_calls=10**6, capture_seconds=0.0)
+    policy.record_call(10.0)
+    assert policy.decide(remaining_calls=10**6, capture_seconds=0.0)
+
+
+def test_a_run_compiles_when_its_remaining_calls_repay_the_compile():
+    # 0.1 s calls save a quarter each: 240 calls repay a 6 s compile.
+    assert COMPILE_GAIN_PRIOR == 0.25
+    assert not timed(CompilePolicy(6.0), 0.1).decide(remaining_calls=239, capture_seconds=0.0)
+    assert timed(CompilePolicy(6.0), 0.1).decide(remaining_calls=240, capture_seconds=0.0)
+
+
+def test_graphs_to_capture_again_raise_the_bar():
+    policy = timed(CompilePolicy(6.0), 0.1)
+    assert not policy.decide(remaining_calls=240, capture_seconds=1.0)
+    assert policy.decide(remaining_calls=280, capture_seconds=1.0)
+
+
+def test_quick_calls_never_compile_in_a_run_of_known_length():
+    policy = timed(CompilePolicy(6.0), 0.001)  # 1 ms calls: 24,000 calls repay
+    assert not policy.decide(remaining_calls=10_000, capture_seconds=0.0)
+
+
+def test_the_decision_is_taken_once_and_timing_stops():
+    policy = timed(CompilePolicy(6.0), 1.0)
+    assert policy.decide(remaining_calls=100, capture_seconds=0.0)
+    assert policy.compiling
+    assert not policy.decide(remaining_calls=100, capture_seconds=0.0)
+    assert not policy.wants_call_timing()
+
+
+def test_after_the_first_samples_one_call_in_a_stride_is_timed():
+    policy = CompilePolicy(6.0)
+    wanted = []
+    for _ in range(MIN_SAMPLES + 4 * TIMING_STRIDE):
+        wanted.append(policy.wants_call_timing())
+        if wanted[-1]:
+            policy.record_call(0.01)
+    assert all(wanted[:MIN_SAMPLES])
+    assert sum(wanted[MIN_SAMPLES:]) == 4
+
+
+def test_recent_calls_decide():
+    # Heavy calls of an earlier run, then quick ones: the window forgets the former.
+    policy = timed(CompilePolicy(6.0), 1.0, calls=WINDOW)
+    timed(policy, 0.001, calls=WINDOW)
+    assert not policy.decide(remaining_calls=1000, capture_seconds=0.0)
+
+
+# ------------------------------------------------------------- the manager
+
+
+def eager_backend(monkeypatch, backend="eager") -> None:
+    """Compile with dynamo's ``backend`` (eager: traces, generates no code)."""
+    monkeypatch.setattr(
+        manager_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend=backend)
+    )
+
+
+def calls(manager: EncoderGraphManager, tower: ToyTower, count: int, seed: int = 0) -> None:
+    """``count`` calls of two items each, every output compared with the tower's."""
+    rng = random.Random(seed)
+    with torch.no_grad():
+        for _ in range(count):
+            lengths = torch.tensor([rng.randrange(1, 40) for _ in range(2)])
+            tokens = torch.randn(int(lengths.sum()), 8)
+            actual = manager.execute(manager.encoder.inputs_from_call((tokens, lengths), {}))
+            assert relative_error(actual, tower(tokens, lengths)) < 1e-5
+
+
+def test_auto_is_the_default_and_waits_uncompiled(monkeypatch):
+    eager_backend(monkeypatch)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
+    assert manager.config.compile == "auto"
+    assert manager.compiled_encoder is not None and not manager.compiled_encoder.started
+    manager.begin_run(expected_calls=10)
+    calls(manager, tower, 10)
+    # On the CPU no call is timed for the policy, so nothing compiles.
+    assert manager.stats.hits > 0 and manager.stats.compile_seconds == 0.0
+    assert manager.compile_policy.estimates()["timed_calls"] == 0
+
+
+def test_a_run_that_repays_the_compile_switches_to_compiled_graphs(monkeypatch):
+    eager_backend(monkeypatch)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
+    manager.begin_run(expected_calls=1000)
+    calls(manager, tower, 3)
+    assert len(manager.cache) > 0 and manager.weight_casts is not None
+    # Calls timed at 1 s each: 997 remaining calls save far more than 6-45 s.
+    timed(manager.compile_policy, 1.0)
+    calls(manager, tower, 3, seed=1)
+    assert manager.compiled_encoder.started and manager.compile_policy is None
+    # The keys held before were prepared again, over the compiled forward.
+    assert manager.stats.compile_seconds > 0 and len(manager.cache) > 0
+    assert manager.weight_casts is None and manager.policy.graphs_fuse_work
+
+
+def test_a_short_run_stays_uncompiled(monkeypatch):
+    eager_backend(monkeypatch)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
+    manager.begin_run(expected_calls=20)
+    timed(manager.compile_policy, 1.0)  # 20 calls x 0.25 s < a 6 s compile
+    calls(manager, tower, 20)
+    assert not manager.compiled_encoder.started and manager.stats.compile_seconds == 0.0
+
+
+def test_a_failed_compile_warns_and_keeps_the_uncompiled_forward(monkeypatch):
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    eager_backend(monkeypatch, failing_backend)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
+    manager.start_compiling()
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        calls(manager, tower, 5)
+    assert "no compiler here" in manager.compiled_encoder.compile_error
+    assert not manager.compiled_encoder.started and manager.stats.hits > 0
+
+
+def test_compile_true_raises_a_failed_compile(monkeypatch):
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    eager_backend(monkeypatch, failing_backend)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", compile=True)
+    assert manager.compile_policy is None and manager.compiled_encoder.started
+    with pytest.raises(Exception, match="no compiler here"):
+        calls(manager, tower, 1)
+
+
+def miscompiling_backend(graph_module, example_inputs):
+    """A backend whose code gives every float output 1.5 times too large."""
+
+    def run(*args):
+        outputs = graph_module(*args)
+        return type(outputs)(
+            output * 1.5
+            if isinstance(output, torch.Tensor) and output.is_floating_point()
+            else output
+            for output in outputs
+        )
+
+    return run
+
+
+@pytest.mark.parametrize("compile_", ["auto", True])
+def test_a_compiled_graph_that_differs_from_eager_ends_compiling(monkeypatch, compile_):
+    eager_backend(monkeypatch, miscompiling_backend)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", compile=compile_)
+    manager.start_compiling()
+    with pytest.warns(RuntimeWarning, match="differs from eager by relative error"):
+        calls(manager, tower, 5)  # every output equal to the tower's, the first call's too
+    assert not manager.compiled_encoder.started
+    assert "relative error" in manager.compiled_encoder.compile_error
+    # The uncompiled forward serves from then on, with its weight copies.
+    assert manager.stats.hits > 0 and len(manager.cache) > 0
+    assert not manager.policy.graphs_fuse_work and manager.weight_casts is not None
+
+
+def test_compiled_graphs_that_equal_eager_are_kept(monkeypatch):
+    eager_backend(monkeypatch)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", compile=True)
+    calls(manager, tower, 5)
+    assert manager.compiled_encoder.started and manager.compiled_encoder.compile_error is None
+    assert all(graph.verified for graph in manager.cache.graphs())
+
+
+@pytest.mark.parametrize("options", [{"compile": False}, {"mode": "piecewise"}, {"mode": "none"}])
+def test_nothing_compiles_without_compile_or_full_graphs(options):
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), **options)
+    assert manager.compiled_encoder is None and manager.compile_policy is None
+    with pytest.raises(RuntimeError, match="start_compiling needs compile=True or 'auto'"):
+        manager.start_compiling()
+
+
+@pytest.mark.cuda
+def test_cuda_calls_timed_on_the_gpu_start_the_compile_and_outputs_stay_eager(monkeypatch):
+    # A free compile and a run long enough to repay the captures again: the GPU
+    # timings of the first calls alone decide.
+    eager_backend(monkeypatch)
+    for compiles in manager_module.COMPILE_SECONDS_PRIOR:
+        monkeypatch.setitem(manager_module.COMPILE_SECONDS_PRIOR, compiles, 0.0)
+    tower = ToyTower().cuda().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
+    manager.begin_run(expected_calls=10**9)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for call in range(3 * MIN_SAMPLES):
+            lengths = torch.tensor([rng.randrange(1, 40) for _ in range(2)])
+            tokens = torch.randn(int(lengths.sum()), 8, device="cuda")
+            actual = manager.execute(manager.encoder.inputs_from_call((tokens, lengths), {}))
+            assert relative_error(actual, tower(tokens, lengths)) < 1e-5, call
+    assert manager.compiled_encoder.started and manager.stats.compile_seconds > 0
+    assert manager.stats.graphs_captured > 0
