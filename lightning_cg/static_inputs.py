@@ -10,12 +10,18 @@ dtype allows: into the buffer itself when it is on the CPU, else padded in
 pinned host memory and copied over in one transfer that does not wait for the
 GPU. That pinned memory belongs to the graph and is reused from replay to
 replay (:class:`HostStaging`), not allocated per buffer per replay.
+
+Host rows may also come in numpy pieces stacked one after another
+(:class:`PieceRows`: a sub-batch's patch positions, frame by frame); each piece
+is then written straight into the buffer or its staging, with no stacked copy
+made first.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, KeysView, Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -36,6 +42,49 @@ _NUMPY_DTYPES = frozenset(
         torch.float64,
     }
 )
+_NO_PIECES: Mapping[str, Sequence[np.ndarray]] = MappingProxyType({})
+
+
+class PieceRows(Mapping[str, torch.Tensor]):
+    """Replay rows by buffer name, where some buffers' host rows come in numpy
+    pieces stacked one after another (at least one piece each, of the buffer's
+    dtype and row shape; e.g. patch positions frame by frame).
+
+    :meth:`StaticInputs.fill` writes the pieces into the buffer, or its pinned
+    staging, one by one: the stacked rows are never built. Any other reader
+    gets them as one host tensor, stacked at its first read.
+
+    Args:
+        tensors: rows given as tensors, by buffer name.
+        pieces: host rows given as numpy pieces, by buffer name.
+    """
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], pieces: Mapping[str, Sequence[np.ndarray]]
+    ) -> None:
+        if tensors.keys() & pieces.keys():
+            raise ValueError(
+                f"rows given both whole and in pieces: {sorted(tensors.keys() & pieces.keys())}"
+            )
+        self.pieces = pieces
+        self._tensors = dict(tensors)
+        # A dict's keys: a set view that StaticInputs.fill compares at C speed.
+        self._names = dict.fromkeys([*tensors, *pieces]).keys()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            tensor = self._tensors[name] = torch.from_numpy(np.concatenate(self.pieces[name]))
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def keys(self) -> KeysView[str]:
+        return self._names
 
 
 class StaticInputs:
@@ -64,13 +113,22 @@ class StaticInputs:
         if not self._names <= real.keys():
             missing = sorted(self._names - real.keys())
             raise RuntimeError(f"replay_inputs for path {path!r} lacks buffer(s) {missing}")
+        pieces = real.pieces if isinstance(real, PieceRows) else _NO_PIECES
         staged = []
         for buffer in self._buffers:
-            rows = real[buffer.name]
             rule = padding_rules.get(buffer.name, "zero")
+            host_pieces = pieces.get(buffer.name)
+            if host_pieces is not None:
+                if buffer.is_cuda:
+                    staged.append((buffer, host_pieces, rule))
+                else:
+                    buffer.write_pieces(buffer.array, host_pieces, rule)
+                continue
+            rows = real[buffer.name]
             if buffer.takes_from_host(rows):
                 staged.append((buffer, rows, rule))
-            elif buffer.array is not None and _numpy_safe(rows):
+            elif buffer.array is not None and not rows.requires_grad:
+                # takes_from_host checked that rows have the buffer's (numpy) dtype.
                 write_padded_array(buffer.array, rows.numpy(), rule)
             else:
                 write_padded(buffer.tensor, rows, rule)
@@ -110,10 +168,12 @@ class _Buffer:
     __slots__ = (
         "array",
         "device",
+        "device_index",
         "dtype",
         "is_cpu",
         "is_cuda",
         "name",
+        "numpy_dtype",
         "row_capacity",
         "row_shape",
         "tensor",
@@ -128,8 +188,13 @@ class _Buffer:
         self.device = tensor.device
         self.is_cpu = tensor.is_cpu
         self.is_cuda = tensor.is_cuda
+        self.device_index = tensor.get_device()  # -1 on the CPU
         # A CPU buffer's own memory, which host rows are written into with numpy.
         self.array = tensor.numpy() if self.is_cpu and _numpy_safe(tensor) else None
+        # The dtype of host pieces (None where numpy lacks the buffer's dtype).
+        self.numpy_dtype = (
+            torch.empty(0, dtype=self.dtype).numpy().dtype if self.dtype in _NUMPY_DTYPES else None
+        )
 
     def takes_from_host(self, rows: torch.Tensor) -> bool:
         """Whether ``rows`` go through pinned staging (host rows for a CUDA buffer).
@@ -153,6 +218,34 @@ class _Buffer:
             )
         return from_host and self.is_cuda
 
+    def write_pieces(
+        self, target: np.ndarray | None, pieces: Sequence[np.ndarray], rule: str
+    ) -> None:
+        """Write host ``pieces`` one after another at the head of ``target`` (the
+        buffer's own array or its pinned staging), then pad the rest by ``rule``.
+
+        Raises:
+            RuntimeError: a piece is not of the buffer's dtype and row shape, or
+                the pieces outgrow the buffer.
+        """
+        count = 0
+        for piece in pieces:
+            end = count + piece.shape[0]
+            if (
+                piece.dtype != self.numpy_dtype
+                or piece.shape[1:] != self.row_shape
+                or end > self.row_capacity
+            ):
+                raise RuntimeError(
+                    f"buffer {self.name!r} holds {tuple(self.tensor.shape)} of {self.dtype}; "
+                    f"replay rows in pieces of {piece.dtype} rows {piece.shape[1:]} reach row "
+                    f"{end} (the adapter's capture_inputs and replay_inputs disagree)"
+                )
+            target[count:end] = piece
+            count = end
+        if count < self.row_capacity:
+            target[count:] = target[count - 1] if rule == "repeat_last" and count else 0
+
 
 class HostStaging:
     """Pinned host copies of a graph's CUDA buffers that take host rows, reused
@@ -175,21 +268,38 @@ class HostStaging:
 
     def __init__(self) -> None:
         self._slots: deque[_Slot] = deque()
+        # The current stream last recorded on: what identifies it, and the object.
+        self._stream_id: tuple[int, int, int] | None = None
+        self._stream: torch.cuda.Stream | None = None
 
-    def copy(self, staged: list[tuple[_Buffer, torch.Tensor, str]]) -> None:
-        """Pad each ``(buffer, host rows, rule)`` in a free slot, then copy it into
-        its buffer without waiting for the GPU."""
+    def copy(self, staged: list[tuple[_Buffer, torch.Tensor | Sequence[np.ndarray], str]]) -> None:
+        """Pad each ``(buffer, host rows or pieces, rule)`` in a free slot, then copy
+        it into its buffer without waiting for the GPU."""
         slot = self._free_slot()
         for buffer, rows, rule in staged:
             pinned, array = slot.host(buffer)
-            if array is not None and _numpy_safe(rows):
+            if not isinstance(rows, torch.Tensor):
+                buffer.write_pieces(array, rows, rule)
+            elif array is not None and not rows.requires_grad:
+                # takes_from_host checked that rows have the buffer's (numpy) dtype.
                 write_padded_array(array, rows.numpy(), rule)
             else:
                 write_padded(pinned, rows, rule)
             buffer.tensor.copy_(pinned, non_blocking=True)
         # The stream the copies went to: the current one of the buffers' device.
-        slot.event.record(torch.cuda.current_stream(staged[0][0].device))
+        slot.event.record(self._current_stream(staged[0][0].device_index))
         self._slots.append(slot)
+
+    def _current_stream(self, device_index: int) -> torch.cuda.Stream:
+        """``torch.cuda.current_stream(device_index)`` for a tenth of its ~3 us of
+        host time: the stream object is made again only when the stream changes."""
+        stream_id = torch._C._cuda_getCurrentStream(device_index)
+        if stream_id != self._stream_id:
+            self._stream_id = stream_id
+            self._stream = torch.cuda.Stream(
+                stream_id=stream_id[0], device_index=stream_id[1], device_type=stream_id[2]
+            )
+        return self._stream
 
     def _free_slot(self) -> _Slot:
         if self._slots and self._slots[0].event.query():

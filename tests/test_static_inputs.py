@@ -4,6 +4,7 @@ staging reused across replays."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
 from lightning_cg.replay import relative_error
-from lightning_cg.static_inputs import MAX_STAGING_SLOTS, StaticInputs
+from lightning_cg.static_inputs import MAX_STAGING_SLOTS, PieceRows, StaticInputs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 RULES = {"offsets": "repeat_last"}
@@ -91,6 +92,57 @@ def test_cuda_staging_is_not_rewritten_before_the_gpu_has_read_it():
         for name, buffer in snapshot.items():
             expected = expected_buffer(rows[name], 64, RULES.get(name, "zero"))
             assert torch.equal(buffer.cpu(), expected), name
+
+
+def in_pieces(rng: random.Random, rows: torch.Tensor) -> list[np.ndarray]:
+    """``rows`` as numpy pieces of random lengths (empty ones too), at least one."""
+    cuts = sorted(rng.randint(0, len(rows)) for _ in range(rng.randint(0, 3)))
+    bounds = [0, *cuts, len(rows)]
+    return [rows[start:stop].numpy() for start, stop in zip(bounds, bounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_in_pieces_fill_each_buffer_as_the_stacked_rows_would(device):
+    rng = random.Random(4)
+    buffers = {name: buffers_on(device)[name] for name in ("offsets", "positions")}
+    static_inputs = StaticInputs(buffers)
+    for count in (16, 11, 3, 0, 7, 16, 1):
+        rows = random_rows(rng, count)
+        pieces = {name: in_pieces(rng, rows[name]) for name in buffers}
+        static_inputs.fill(PieceRows({}, pieces), RULES, "path")
+        for name, buffer in buffers.items():
+            expected = expected_buffer(rows[name], 16, RULES.get(name, "zero"))
+            assert torch.equal(buffer.cpu(), expected), (name, count)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [np.zeros((3, 2), np.int64), np.zeros((2, 2), np.int64)],  # too many rows
+        [np.zeros((2, 1), np.int64)],  # another row shape (numpy would broadcast it)
+        [np.zeros((2, 2), np.int32)],  # another dtype (numpy would cast it)
+    ],
+)
+def test_pieces_that_do_not_fit_a_buffer_raise_and_name_it(device, pieces):
+    static_inputs = StaticInputs({"positions": buffers_on(device, size=4)["positions"]})
+    with pytest.raises(RuntimeError, match=r"buffer 'positions' holds \(4, 2\)"):
+        static_inputs.fill(PieceRows({}, {"positions": pieces}), {}, "path")
+
+
+def test_piece_rows_read_as_a_mapping_of_tensors():
+    features = torch.ones(2, 3)
+    rows = PieceRows(
+        {"features": features},
+        {"positions": [np.array([[1, 2]], np.int32), np.array([[3, 4], [5, 6]], np.int32)]},
+    )
+    assert list(rows) == ["features", "positions"] and len(rows) == 2
+    assert rows["features"] is features
+    assert rows["positions"].tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert rows["positions"] is rows["positions"]  # stacked once
+    assert dict(rows.items()).keys() == {"features", "positions"}
+    with pytest.raises(ValueError, match="both whole and in pieces"):
+        PieceRows({"positions": features}, {"positions": [np.zeros((1, 3))]})
 
 
 # ---------------------------------------------------------------- through the manager

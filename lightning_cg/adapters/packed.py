@@ -12,7 +12,8 @@ Each path's graph holds ``pixel_patches``, ``cu_seqlens`` and the patch
 ``positions`` (the tower computes its rotary tables from them inside the graph).
 ``cu_seqlens`` is padded by repeating its last offset, so padding patches belong
 to no sequence and cost no attention. Both metadata tensors are built on the
-host and copied straight into the graph's buffers.
+host and copied straight into the graph's buffers; where the tower gives them in
+pieces (``host_metadata_pieces``, as ``PackedViT`` does), the pieces are.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lightning_cg.adapters.packed_inputs import (
 )
 from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+from lightning_cg.static_inputs import PieceRows
 
 LOCAL_PATH = "local"
 GLOBAL_PATH = "global"
@@ -68,7 +70,10 @@ class PackedTower(Protocol):
     """What the adapter calls on a packed tower (``PackedViT`` implements it).
 
     The adapter never calls the tower itself (``tower.forward`` is what the
-    callback replaces), only these methods.
+    callback replaces), only these methods; and, where the tower has it,
+    ``host_metadata_pieces(grid_thw) -> dict[str, list[np.ndarray]]``:
+    ``host_metadata`` as numpy pieces, each tensor its pieces one after another,
+    which replays write straight into the graph's buffers.
     """
 
     config: PackedTowerConfig
@@ -149,6 +154,7 @@ class PackedEncoderAdapter:
         # sizes above, fixed here, and specs are frozen, so calls share them
         # (building one costs ~1 us of host time per item).
         self._specs_by_size: dict[tuple[int, int, int], ItemSpec] = {}
+        self._metadata_pieces = getattr(tower, "host_metadata_pieces", None)
 
     def graph_config(self) -> EncoderGraphConfig:
         """Paths ``local`` and ``global``; ``global`` may be empty when the view is off."""
@@ -256,13 +262,16 @@ class PackedEncoderAdapter:
             "positions": metadata["positions"].to(device),
         }
 
-    def replay_inputs(self, path: str, inputs: PackedInputs) -> dict[str, torch.Tensor]:
+    def replay_inputs(self, path: str, inputs: PackedInputs) -> Mapping[str, torch.Tensor]:
         """The path's patches (the items' own, or their global views) and, on the
-        host, their metadata."""
+        host, their metadata: in pieces (:class:`~lightning_cg.static_inputs.PieceRows`)
+        where the tower gives them so."""
         self._check_path(path)
         patches, grid = inputs.pixel_patches, inputs.grid
         if path == GLOBAL_PATH:
             patches, grid = self.tower.global_view_patches(patches, grid)
+        if self._metadata_pieces is not None:
+            return PieceRows({"pixel_patches": patches}, self._metadata_pieces(grid))
         return {"pixel_patches": patches, **self.tower.host_metadata(grid)}
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -47,7 +47,7 @@ from lightning_cg.models.packed_vit_config import (
     packed_vit_config,
     packed_vit_small_config,
 )
-from lightning_cg.models.patch_positions import packed_positions
+from lightning_cg.models.patch_positions import frame_positions, packed_positions
 
 # The family's config, presets and patch layout are re-exported: they import from here too.
 __all__ = [
@@ -63,6 +63,9 @@ __all__ = [
 
 _ROPE_THETA = 10000.0
 _LAYER_NORM_EPS = 1e-6  # torchvision's, so its weights load unchanged
+#: The positions of no frame: the one piece of a grid without frames.
+_NO_POSITIONS = np.empty((0, 2), dtype=np.int32)
+_NO_POSITIONS.flags.writeable = False
 
 
 class PackedViT(nn.Module):
@@ -150,12 +153,23 @@ class PackedViT(nn.Module):
             ``cu_seqlens`` int32 ``(frames + 1,)``: one sequence per frame;
             ``positions`` int32 ``(patches, 2)``: each patch's row and column.
         """
-        grid = as_grid(grid_thw)
-        frames = [(h, w) for t, h, w in grid for _ in range(t)]
-        # numpy, then one wrap: torch.tensor of a list costs several times more host time.
-        offsets = np.array([0, *itertools.accumulate(h * w for h, w in frames)], np.int32)
+        frames, offsets = _frames_and_offsets(grid_thw)
         positions = packed_positions(frames, self.config.spatial_merge_size)
         return {"cu_seqlens": torch.from_numpy(offsets), "positions": torch.from_numpy(positions)}
+
+    def host_metadata_pieces(self, grid_thw: GridTHW) -> dict[str, list[np.ndarray]]:
+        """:meth:`host_metadata` as numpy pieces, each tensor its pieces one after
+        another: ``cu_seqlens`` whole, ``positions`` frame by frame, read-only views
+        of cached tables (see :mod:`~lightning_cg.models.patch_positions`).
+
+        The graph manager writes the pieces straight into a graph's buffers
+        (:class:`~lightning_cg.static_inputs.PieceRows`), without first stacking
+        the positions into a new array, most of ``host_metadata``'s host time.
+        """
+        frames, offsets = _frames_and_offsets(grid_thw)
+        merge = self.config.spatial_merge_size
+        positions = [frame_positions(h, w, merge) for h, w in frames]
+        return {"cu_seqlens": [offsets], "positions": positions or [_NO_POSITIONS]}
 
     def build_metadata(self, grid_thw: GridTHW, device: torch.device) -> dict[str, torch.Tensor]:
         """:meth:`host_metadata` on ``device``, copied without waiting for the GPU."""
@@ -326,6 +340,15 @@ def _init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)
         nn.init.zeros_(module.bias)
+
+
+def _frames_and_offsets(grid_thw: GridTHW) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """Each frame's ``(h, w)`` patches, and int32 frame offsets into the patches
+    (``cu_seqlens``: one attention sequence per frame)."""
+    frames = [(h, w) for t, h, w in as_grid(grid_thw) for _ in range(t)]
+    # numpy, then one wrap: torch.tensor of a list costs several times more host time.
+    offsets = np.array([0, *itertools.accumulate(h * w for h, w in frames)], np.int32)
+    return frames, offsets
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from torchvision.models.vision_transformer import VisionTransformer
@@ -124,6 +125,15 @@ def test_host_metadata_has_one_sequence_per_frame_and_window_ordered_positions()
     assert metadata["positions"][:5].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2]]
     # Each frame of the video starts again at (0, 0).
     assert metadata["positions"][24].tolist() == metadata["positions"][28].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("grid", [[(1, 4, 6), (2, 2, 2)], [(3, 6, 2)], [(1, 2, 2)], []])
+def test_host_metadata_pieces_stack_to_host_metadata(grid):
+    tower = tiny_tower()
+    pieces = tower.host_metadata_pieces(grid)
+    for name, tensor in tower.host_metadata(grid).items():
+        assert np.array_equal(np.concatenate(pieces[name]), tensor.numpy()), name
+        assert all(piece.dtype == np.int32 for piece in pieces[name])
 
 
 def test_host_metadata_does_not_share_memory_between_calls():
