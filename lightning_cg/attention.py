@@ -40,9 +40,17 @@ def block_diagonal_mask(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
     Built on the device without host syncs. Rows past ``cu_seqlens[-1]`` (padding)
     share one id of their own, so they attend only each other and never produce NaN;
     empty sequences (repeated offsets) own no rows.
+
+    The ids are searched in the whole ``cu_seqlens`` (sequence ``i`` is id ``i + 1``,
+    padding ``len(cu_seqlens)``), never in the view ``cu_seqlens[1:]``: inductor's
+    Triton lowering of ``searchsorted`` (torch before pytorch/pytorch#184043, 2.11
+    among them) drops a view's storage offset and searches ``cu_seqlens[:-1]``,
+    which merges the last sequence with the padding rows whenever it fills the
+    last offset slot. Compiled Qwen blocks (which build this mask inside the
+    compiled region) gave wrong outputs on the GPU that way.
     """
     positions = torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    sequence_ids = torch.searchsorted(cu_seqlens[1:], positions, right=True)  # (rows,)
+    sequence_ids = torch.searchsorted(cu_seqlens, positions, right=True)  # (rows,)
     return sequence_ids[:, None] == sequence_ids[None, :]
 
 

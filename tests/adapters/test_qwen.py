@@ -269,6 +269,60 @@ def test_padding_rows_do_not_change_the_real_rows(kind):
             torch.testing.assert_close(rows[:tokens], expected, rtol=1e-5, atol=1e-6)
 
 
+#: Two images of 7 tokens in a graph of 8 tokens and two frame slots: the second
+#: image fills the last offset slot and padding patches follow it.
+FULL_SLOTS_GRID = [(1, 4, 4), (1, 2, 6)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_last_frame_of_full_offset_slots_keeps_clear_of_the_padding(kind, monkeypatch):
+    """The packed attention's mask must not search a view of ``cu_seqlens``:
+    inductor's Triton ``searchsorted`` (torch before pytorch/pytorch#184043, 2.11
+    among them) drops a view's storage offset, so ``cu_seqlens[1:]`` was searched as
+    ``cu_seqlens[:-1]`` and compiled blocks let the last frame attend the padding
+    rows (relative errors 0.01-0.14 on the H200). That lowering runs on the GPU
+    only; here ``torch.searchsorted`` drops the offset the same way."""
+    search = torch.searchsorted
+
+    def search_from_the_storage_start(sorted_sequence, values, **options):
+        start = sorted_sequence.as_strided(sorted_sequence.shape, sorted_sequence.stride(), 0)
+        return search(start, values, **options)
+
+    adapter = adapter_for(tiny_tower(kind))
+    inputs = adapter.inputs_from_call(patches_of(FULL_SLOTS_GRID), {})
+    spec = CaptureSpec(
+        "local", 8, max_items=2, max_frames=2, signature=adapter.graph_signature(inputs)
+    )
+    buffers = adapter.capture_inputs(spec)
+    fill(adapter, buffers, inputs, padding=1.0)
+    assert buffers["cu_seqlens"].tolist() == [0, 16, 28]  # every slot real, 4 padding rows
+    with torch.no_grad():
+        expected = adapter.eager_forward("local", inputs)
+        monkeypatch.setattr(torch, "searchsorted", search_from_the_storage_start)
+        rows = adapter.graph_forward("local", buffers)
+    torch.testing.assert_close(rows[:7], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_inductor_compiled_blocks_equal_the_towers_forward_with_padding(kind):
+    """The case above with inductor itself: a second budget of two images whose
+    second fills the last offset slot, padding rows after it."""
+    torch._dynamo.reset()
+    tower = tiny_tower(kind, device="cuda")
+    encoder = CompiledEncoder(adapter_for(tower), backend="inductor", scope="blocks")
+    manager = EncoderGraphManager(
+        encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
+    )
+    # Budget 8 (one frame, no padding rows), then budget 16: 10 tokens of two images.
+    for grid in ([(1, 4, 8)], [(1, 4, 6), (1, 4, 4)], FULL_SLOTS_GRID):
+        hidden_states, grid_thw = (tensor.cuda() for tensor in patches_of(grid))
+        actual = graphed(manager, hidden_states, grid_thw)
+        expected = eager(tower, hidden_states, grid_thw)
+        assert_outputs_equal(actual, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_the_qwen3_vl_moe_tower_is_served_as_qwen3_vl():
     torch.manual_seed(0)
     config = transformers.Qwen3VLMoeVisionConfig(
