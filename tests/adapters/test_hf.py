@@ -235,7 +235,6 @@ def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     assert_same_output(execute(manager, x), eager(tower, x))
 
 
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_encoder_layers_equal_the_towers_forward(kind):
     # backend="eager": dynamo traces one encoder layer's forward, which every
