@@ -220,4 +220,7 @@ def describe(row: Mapping[str, Any]) -> str:
             parts.append(f"{key} {row[key]:.2f}x")
     if row.get("graphs_captured") is not None:
         parts.append(f"{row['graphs_captured']:.0f} graphs, {row['capture_s']:.2f} s capture")
+        compiling = (row.get("callback_stats") or {}).get("compile_seconds_run")
+        if compiling:
+            parts[-1] += f" ({compiling:.2f} s of it compiling)"
     return "; ".join(parts)
