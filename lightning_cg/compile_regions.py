@@ -132,7 +132,14 @@ class CompiledBlocks:
         if not blocks:
             raise ValueError("CompiledBlocks needs at least one block")
         self.blocks = blocks
-        self.compiled_forward = compile_function(type(blocks[0]).forward)
+        self._compile_function = compile_function
+
+    @functools.cached_property
+    def compiled_forward(self) -> Callable:
+        """The blocks' class ``forward``, compiled. Made at first use: the first
+        ``torch.compile`` imports dynamo (seconds), which a tower that never
+        compiles (``compile="auto"`` in a short run) should not pay."""
+        return self._compile_function(type(self.blocks[0]).forward)
 
     @contextmanager
     def installed(self) -> Iterator[None]:

@@ -114,10 +114,7 @@ class CompiledEncoder:
         blocks = blocks_to_compile(tower, scope, dynamic_shapes=not self.static_shapes)
         #: The compiled repeated blocks; None when the whole graph forward is compiled.
         self.compiled_blocks = CompiledBlocks(blocks, compile_function) if blocks else None
-        if self.compiled_blocks is None:
-            self.compiled_forward = compile_function(encoder.graph_forward)
-        else:
-            self.compiled_forward = self._forward_with_compiled_blocks
+        self._compile_function = compile_function
         #: Seconds of the graph forwards that may compile: compilation, mostly.
         self.compile_seconds = 0.0
         self.on_compile = on_compile
@@ -128,6 +125,15 @@ class CompiledEncoder:
         #: outputs that differ from eager), or None.
         self.compile_error: str | None = None
         self._compiled: set[Hashable] = set()
+
+    @functools.cached_property
+    def compiled_forward(self) -> Callable:
+        """The graph forward with its compiled part. Made at first use: the first
+        ``torch.compile`` imports dynamo (seconds), which a manager that never
+        compiles (``compile="auto"`` in a short run) should not pay."""
+        if self.compiled_blocks is None:
+            return self._compile_function(self.encoder.graph_forward)
+        return self._forward_with_compiled_blocks
 
     @property
     def compiles(self) -> str:

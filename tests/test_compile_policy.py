@@ -230,3 +230,22 @@ def test_cuda_calls_timed_on_the_gpu_start_the_compile_and_outputs_stay_eager(mo
             assert relative_error(actual, tower(tokens, lengths)) < 1e-5, call
     assert manager.compiled_encoder.started and manager.stats.compile_seconds > 0
     assert manager.stats.graphs_captured > 0
+
+
+def test_nothing_is_compiled_or_wrapped_before_compiling_starts(monkeypatch):
+    # torch.compile's first call imports dynamo (seconds): a run that never
+    # compiles must not pay it.
+    compiled = []
+
+    def recording_compile(function, **options):
+        compiled.append(function)
+        return function
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
+    calls(manager, tower, 3)
+    assert compiled == []
+    manager.start_compiling()
+    calls(manager, tower, 1)
+    assert len(compiled) == 1
