@@ -242,8 +242,10 @@ class EncoderGraphManager:
     def _stop_compiling(self, reason: str) -> None:
         """A compiled graph's output differed from eager: drop the compiled graphs
         and capture the adapter's own forward from now on, for good."""
-        self.compiled_encoder.give_up(reason)
         self.runner.on_compiled_mismatch = None
+        if not self.compiled_encoder.started:
+            return  # the compile had failed: this graph was not compiled
+        self.compiled_encoder.give_up(reason)
         self.clear()
         self.weight_casts = weight_casts_for(self.encoder, self.config.cast_weights_per_run)
         self.capturer.weight_casts = self.weight_casts
