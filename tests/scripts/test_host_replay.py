@@ -16,10 +16,13 @@ def test_reports_host_time_per_replay_of_every_case_on_cpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(
-        r"^(\w+) +host us/replay over 1 passes of (\d+) replays: min +([\d.]+)",
+        r"^(\w+) +us/replay over 1 passes of (\d+) replays:\n"
+        r" +own +min +([\d.]+).*\n +host +min +([\d.]+)",
         result.stdout,
         flags=re.MULTILINE,
     )
-    assert [name for name, _, _ in rows] == ["batched1", "batched8", "packed1", "packed8"]
-    # Every call was replayed (captured at first use) and took some host time.
-    assert all(int(replays) > 0 and float(us) > 0 for _, replays, us in rows)
+    assert [row[0] for row in rows] == ["batched1", "batched8", "packed1", "packed8"]
+    # Every call was replayed (captured at first use) and took some host time,
+    # of which the manager's own (less the launch) is a part.
+    assert all(int(replays) > 0 for _, replays, _, _ in rows)
+    assert all(0 < float(own) <= float(host) for _, _, own, host in rows)
