@@ -79,6 +79,7 @@ class CompiledEncoder:
         started: compile from the first graph forward; False waits for :meth:`start`.
         fall_back: a failed compile warns and the adapter's own graph forward
             serves from then on, instead of raising.
+        on_give_up: called once compiling is given up (:meth:`give_up`).
 
     Example:
         >>> manager = EncoderGraphManager(CompiledEncoder(PackedEncoderAdapter(tower)))
@@ -93,6 +94,7 @@ class CompiledEncoder:
         scope: str = "auto",
         started: bool = True,
         fall_back: bool = False,
+        on_give_up: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
             raise TypeError(
@@ -121,6 +123,7 @@ class CompiledEncoder:
         #: Whether graph forwards run compiled (see :meth:`start`).
         self.started = started
         self.fall_back = fall_back
+        self.on_give_up = on_give_up
         #: Why compiling was given up (a failed compile with ``fall_back``, or
         #: outputs that differ from eager), or None.
         self.compile_error: str | None = None
@@ -215,6 +218,8 @@ class CompiledEncoder:
             RuntimeWarning,
             stacklevel=3,
         )
+        if self.on_give_up is not None:
+            self.on_give_up()
 
     def _give_up_compiling(
         self, error: Exception, path: str, buffers: Mapping[str, torch.Tensor]

@@ -103,6 +103,7 @@ class EncoderGraphManager:
                 scope=self.config.compile_scope,
                 started=compile_now,
                 fall_back=not compile_now,
+                on_give_up=self._compiling_given_up,
             )
         #: When ``compile="auto"`` starts compiling; None when it cannot or has.
         self.compile_policy = (
@@ -242,13 +243,15 @@ class EncoderGraphManager:
     def _stop_compiling(self, reason: str) -> None:
         """A compiled graph's output differed from eager: drop the compiled graphs
         and capture the adapter's own forward from now on, for good."""
-        self.runner.on_compiled_mismatch = None
-        if not self.compiled_encoder.started:
-            return  # the compile had failed: this graph was not compiled
         self.compiled_encoder.give_up(reason)
         self.clear()
         self.weight_casts = weight_casts_for(self.encoder, self.config.cast_weights_per_run)
         self.capturer.weight_casts = self.weight_casts
+
+    def _compiling_given_up(self) -> None:
+        """Graphs are uncompiled from now on (a failed compile, or outputs that
+        differed): nothing to check against eager, no fused work to expect."""
+        self.runner.on_compiled_mismatch = None
         self.policy.graphs_fuse_work = False
 
     def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:

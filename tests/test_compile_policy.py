@@ -150,6 +150,7 @@ def test_a_failed_compile_warns_and_keeps_the_uncompiled_forward(monkeypatch):
         calls(manager, tower, 5)
     assert "no compiler here" in manager.compiled_encoder.compile_error
     assert not manager.compiled_encoder.started and manager.stats.hits > 0
+    assert not manager.policy.graphs_fuse_work  # the graphs are uncompiled again
 
 
 def test_compile_true_raises_a_failed_compile(monkeypatch):
