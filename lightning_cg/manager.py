@@ -219,6 +219,7 @@ class EncoderGraphManager:
         """Capture the compiled graph forward from now on (``compile="auto"`` does
         this when a run is expected to repay it). The graphs of the uncompiled
         forward are dropped; keys are captured again, compiled, as they pay.
+        Nothing happens once compiling has started, or has been given up.
 
         Raises:
             RuntimeError: nothing may compile (``compile=False``, or a mode
@@ -229,7 +230,7 @@ class EncoderGraphManager:
                 f"start_compiling needs compile=True or 'auto' and a FULL mode; got "
                 f"compile={self.config.compile!r}, mode={self.mode.value!r}"
             )
-        if self.compiled_encoder.started:
+        if self.compiled_encoder.started or self.compiled_encoder.compile_error is not None:
             return
         self.clear()
         self.compiled_encoder.start()

@@ -151,6 +151,9 @@ def test_a_failed_compile_warns_and_keeps_the_uncompiled_forward(monkeypatch):
     assert "no compiler here" in manager.compiled_encoder.compile_error
     assert not manager.compiled_encoder.started and manager.stats.hits > 0
     assert not manager.policy.graphs_fuse_work  # the graphs are uncompiled again
+    graphs = len(manager.cache)
+    manager.start_compiling()  # given up for good: nothing changes
+    assert len(manager.cache) == graphs and not manager.compiled_encoder.started
 
 
 def test_compile_true_raises_a_failed_compile(monkeypatch):
