@@ -158,8 +158,13 @@ def write_padded_array(target: np.ndarray, rows: np.ndarray, rule: str) -> None:
     of a microsecond of host time where a torch op costs a few."""
     count = rows.shape[0]
     target[:count] = rows
+    _pad_array(target, count, rule)
+
+
+def _pad_array(target: np.ndarray, count: int, rule: str) -> None:
+    """Fill ``target`` past its first ``count`` rows by the padding ``rule``."""
     if count < target.shape[0]:
-        target[count:] = rows[-1] if rule == "repeat_last" and count else 0
+        target[count:] = target[count - 1] if rule == "repeat_last" and count else 0
 
 
 class _Buffer:
@@ -243,8 +248,7 @@ class _Buffer:
                 )
             target[count:end] = piece
             count = end
-        if count < self.row_capacity:
-            target[count:] = target[count - 1] if rule == "repeat_last" and count else 0
+        _pad_array(target, count, rule)
 
 
 class HostStaging:
