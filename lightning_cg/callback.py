@@ -105,6 +105,9 @@ class CUDAGraphCallback(Callback):
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks once, when they hold most of its weights; else the
             whole graph forward), ``blocks`` or ``whole``.
+        compile_repay_runs: ``compile="auto"`` compiles when the rest of the run
+            and this many runs like it in all are expected to repay the compile
+            (1: the current run alone).
         capture: ``paid_back`` (a key is captured once its expected replays in the
             run repay the capture) or ``first_use`` (at the first batch that needs it).
         min_sightings: sightings of a key before ``paid_back`` may capture it.
@@ -140,6 +143,7 @@ class CUDAGraphCallback(Callback):
         dispatch: str = "budget",
         compile: bool | str = "auto",
         compile_scope: str = "auto",
+        compile_repay_runs: int = 2,
         capture: str = "paid_back",
         min_sightings: int = 2,
         drop_slower_graphs: bool = True,
@@ -166,6 +170,7 @@ class CUDAGraphCallback(Callback):
             dispatch=dispatch,
             compile=compile,
             compile_scope=compile_scope,
+            compile_repay_runs=compile_repay_runs,
             # A capture that fails mid-run turns this rank eager, not the run into an error.
             capture_errors="eager",
             capture=capture,

@@ -230,6 +230,12 @@ class CapturePolicy:
             return self._calls
         return max(self._expected_calls - self._run_calls, 0)
 
+    def run_calls(self) -> int:
+        """The calls of the whole run: expected, or so far and :meth:`remaining_calls`."""
+        if self._expected_calls is None:
+            return self._run_calls + self.remaining_calls()
+        return max(self._expected_calls, self._run_calls)
+
     def _expected_sightings(self, record: _KeyRecord) -> float:
         path_sub_batches = self._path_sub_batches[record.path]
         share = record.sightings / path_sub_batches

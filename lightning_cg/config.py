@@ -71,6 +71,12 @@ class BudgetConfig:
         k: most budgets of an auto ladder.
         auto_sample_batches: an auto ladder is learned from this many first
             batches; the ones before the last run eagerly.
+        compiled_ratio: once graphs are captured from a compiled forward with
+            dynamic shapes (one compile serves every budget), a generated
+            ladder coarser than this (``pow2``, or ``geometric`` with a larger
+            ratio) becomes ``geometric`` with this ratio over the same range:
+            finer budgets then cost only their captures and pad less. None
+            keeps the ladder; explicit and ``auto`` ladders are always kept.
     """
 
     min_budget: int | None = None
@@ -81,6 +87,7 @@ class BudgetConfig:
     align: int = 16
     k: int = 12
     auto_sample_batches: int = 1
+    compiled_ratio: float | None = 1.05
 
     def __post_init__(self) -> None:
         for name in ("min_budget", "max_budget"):
@@ -106,6 +113,15 @@ class BudgetConfig:
             raise ValueError(f"ratio must be a number > 1; got ratio={self.ratio!r}")
         for name in ("align", "k", "auto_sample_batches"):
             _check_positive_int(name, getattr(self, name))
+        if self.compiled_ratio is not None and not (
+            isinstance(self.compiled_ratio, int | float)
+            and not isinstance(self.compiled_ratio, bool)
+            and self.compiled_ratio > 1
+        ):
+            raise ValueError(
+                "compiled_ratio must be a number > 1 or None; "
+                f"got compiled_ratio={self.compiled_ratio!r}"
+            )
         if self.ladder == AUTO_LADDER and self.budgets is not None:
             raise ValueError(
                 "budgets (an explicit ladder) and ladder='auto' exclude each other; "
@@ -169,6 +185,10 @@ class GraphConfig:
             run's remaining calls are expected to repay the compile
             (:mod:`lightning_cg.compile_policy`; a failed compile falls back to
             the uncompiled forward); ``true``: from the first capture; ``false``: never.
+        compile_repay_runs: ``compile="auto"`` compiles when the run's remaining
+            calls and this many runs like it in all, counting the current one,
+            are expected to repay the compile: compiled code outlives the run,
+            and a Trainer's runs repeat. 1 weighs the current run alone.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks, once for all of them, when they hold most of its
             weights; else the whole graph forward), ``blocks`` or ``whole``
@@ -202,6 +222,7 @@ class GraphConfig:
     dispatch: str = "budget"
     compile: bool | str = "auto"
     compile_scope: str = "auto"
+    compile_repay_runs: int = 2
     capture_errors: str = "raise"
     capture: str = "paid_back"
     min_sightings: int = 2
@@ -241,6 +262,13 @@ class GraphConfig:
             raise ValueError(
                 f"compile_scope={self.compile_scope!r} says what compile compiles; "
                 "compile is False. Set compile=True or 'auto', or leave compile_scope at 'auto'"
+            )
+        _check_positive_int("compile_repay_runs", self.compile_repay_runs)
+        if self.compile_repay_runs != GraphConfig.compile_repay_runs and self.compile != "auto":
+            raise ValueError(
+                f"compile_repay_runs={self.compile_repay_runs!r} says when compile='auto' "
+                f"compiles; compile is {self.compile!r}. Set compile='auto', or leave "
+                f"compile_repay_runs at {GraphConfig.compile_repay_runs}"
             )
         _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)

@@ -46,7 +46,7 @@ from lightning_cg.dispatcher import GraphMode
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.outputs import CallOutputs
-from lightning_cg.plan import path_budget_choices, plan_paths
+from lightning_cg.plan import path_budget_choices, plan_paths, use_ladders
 from lightning_cg.replay import autocast_key
 from lightning_cg.stats import GraphStats
 from lightning_cg.weight_casts import weight_casts_for
@@ -107,15 +107,20 @@ class EncoderGraphManager:
             )
         #: When ``compile="auto"`` starts compiling; None when it cannot or has.
         self.compile_policy = (
-            CompilePolicy(COMPILE_SECONDS_PRIOR[self.compiled_encoder.compiles])
+            CompilePolicy(
+                COMPILE_SECONDS_PRIOR[self.compiled_encoder.compiles],
+                repay_runs=self.config.compile_repay_runs,
+            )
             if self.compiled_encoder is not None and not compile_now
             else None
         )
         self._cuda = torch.cuda.is_available()
         self.encoder = encoder
         self.encoder_config = encoder.graph_config()
-        choices = path_budget_choices(self.encoder_config, self.config)
+        choices = self._budget_choices = path_budget_choices(self.encoder_config, self.config)
         self.paths, max_items = plan_paths(encoder, self.config, choices)
+        if compile_now:
+            self._use_ladders(compiled=True)
         self.cache = GraphCache()
         # Not for compiled capture: a copy's dtype would recompile the forward.
         casts_on = self.config.cast_weights_per_run and not compile_now
@@ -234,6 +239,7 @@ class EncoderGraphManager:
             return
         self.clear()
         self.compiled_encoder.start()
+        self._use_ladders(compiled=True)
         # The low-precision weight copies change the dtypes the compiled code
         # guards on: compiled graphs cast as they run instead.
         self.weight_casts = self.capturer.weight_casts = None
@@ -241,11 +247,25 @@ class EncoderGraphManager:
         self.compile_policy = None
         self.runner.on_compiled_mismatch = self._stop_compiling
 
+    def _use_ladders(self, compiled: bool) -> None:
+        """The ladders of compiled graphs (finer) or of uncompiled ones, where one
+        compile serves every budget (dynamic shapes): a budget then costs its
+        capture alone, and padding costs fused work on every replay."""
+        if not self.compiled_encoder.static_shapes:
+            use_ladders(
+                self.encoder,
+                self.paths,
+                self._budget_choices,
+                self.config.max_items_per_batch,
+                compiled,
+            )
+
     def _stop_compiling(self, reason: str) -> None:
         """A compiled graph's output differed from eager: drop the compiled graphs
         and capture the adapter's own forward from now on, for good."""
         self.compiled_encoder.give_up(reason)
         self.clear()
+        self._use_ladders(compiled=False)
         self.weight_casts = weight_casts_for(self.encoder, self.config.cast_weights_per_run)
         self.capturer.weight_casts = self.weight_casts
 
@@ -334,7 +354,10 @@ class EncoderGraphManager:
         """A call while ``compile="auto"`` waits: some calls are timed on the GPU,
         and before a call the run's remaining calls are weighed against the compile."""
         compile_policy = self.compile_policy
-        if compile_policy.decide(self.policy.remaining_calls(), self.stats.capture_seconds):
+        policy = self.policy
+        if compile_policy.decide(
+            policy.remaining_calls(), policy.run_calls(), self.stats.capture_seconds
+        ):
             estimates = compile_policy.estimates()
             logger.info("compile='auto': compiling the graph forward (%s)", estimates)
             self.start_compiling()

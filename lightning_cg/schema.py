@@ -41,6 +41,7 @@ class BudgetsSchema:
     align: int = BudgetConfig.align
     k: int = BudgetConfig.k
     auto_sample_batches: int = BudgetConfig.auto_sample_batches
+    compiled_ratio: float | None = BudgetConfig.compiled_ratio
 
 
 @dataclass
@@ -69,6 +70,7 @@ class CUDAGraphSchema:
     dispatch: str = "budget"
     compile: Any = "auto"
     compile_scope: str = "auto"
+    compile_repay_runs: int = 2
     capture: str = "paid_back"
     min_sightings: int = 2
     drop_slower_graphs: Any = True

@@ -9,6 +9,8 @@ import torch
 from toy_encoder import ToyEncoder, ToyTower
 
 import lightning_cg.manager as manager_module
+from lightning_cg.adapters.batched import BatchedEncoderAdapter
+from lightning_cg.budgets import generate_budgets
 from lightning_cg.compile_policy import (
     COMPILE_GAIN_PRIOR,
     MIN_SAMPLES,
@@ -29,34 +31,52 @@ def timed(policy: CompilePolicy, seconds: float, calls: int = MIN_SAMPLES) -> Co
 
 def test_nothing_is_decided_before_enough_calls_are_timed():
     policy = timed(CompilePolicy(compile_seconds=1.0), 10.0, calls=MIN_SAMPLES - 1)
-    assert not policy.decide(remaining_calls=10**6, capture_seconds=0.0)
+    assert not policy.decide(remaining_calls=10**6, run_calls=10**6, capture_seconds=0.0)
     policy.record_call(10.0)
-    assert policy.decide(remaining_calls=10**6, capture_seconds=0.0)
+    assert policy.decide(remaining_calls=10**6, run_calls=10**6, capture_seconds=0.0)
+
+
+def one_run(compile_seconds: float, seconds: float, gain: float = 0.25) -> CompilePolicy:
+    """A policy weighing the current run alone, after calls of ``seconds``."""
+    return timed(CompilePolicy(compile_seconds, gain=gain, repay_runs=1), seconds)
 
 
 def test_a_run_compiles_when_its_remaining_calls_repay_the_compile():
     # 0.1 s calls save a quarter each: 240 calls repay a 6 s compile.
-    assert COMPILE_GAIN_PRIOR == 0.25
-    assert not timed(CompilePolicy(6.0), 0.1).decide(remaining_calls=239, capture_seconds=0.0)
-    assert timed(CompilePolicy(6.0), 0.1).decide(remaining_calls=240, capture_seconds=0.0)
+    assert not one_run(6.0, 0.1).decide(remaining_calls=239, run_calls=1000, capture_seconds=0.0)
+    assert one_run(6.0, 0.1).decide(remaining_calls=240, run_calls=1000, capture_seconds=0.0)
+    # The gain scales what a call saves: at 0.5, 120 calls do.
+    assert one_run(6.0, 0.1, gain=0.5).decide(120, run_calls=1000, capture_seconds=0.0)
+
+
+def test_later_runs_like_this_one_repay_the_compile_too():
+    # 40 calls left of a run of 200: with one more such run, 240 calls.
+    def decides(repay_runs: int) -> bool:
+        policy = timed(CompilePolicy(6.0, gain=0.25, repay_runs=repay_runs), 0.1)
+        return policy.decide(remaining_calls=40, run_calls=200, capture_seconds=0.0)
+
+    assert not decides(repay_runs=1)
+    assert decides(repay_runs=2)
+    assert CompilePolicy(6.0).repay_runs == 2  # the default
+    assert CompilePolicy(6.0).gain == COMPILE_GAIN_PRIOR
 
 
 def test_graphs_to_capture_again_raise_the_bar():
-    policy = timed(CompilePolicy(6.0), 0.1)
-    assert not policy.decide(remaining_calls=240, capture_seconds=1.0)
-    assert policy.decide(remaining_calls=280, capture_seconds=1.0)
+    policy = one_run(6.0, 0.1)
+    assert not policy.decide(remaining_calls=240, run_calls=1000, capture_seconds=1.0)
+    assert policy.decide(remaining_calls=280, run_calls=1000, capture_seconds=1.0)
 
 
 def test_quick_calls_never_compile_in_a_run_of_known_length():
-    policy = timed(CompilePolicy(6.0), 0.001)  # 1 ms calls: 24,000 calls repay
-    assert not policy.decide(remaining_calls=10_000, capture_seconds=0.0)
+    policy = timed(CompilePolicy(6.0), 0.001)  # 1 ms calls: 20,000 calls repay
+    assert not policy.decide(remaining_calls=4_000, run_calls=4_000, capture_seconds=0.0)
 
 
 def test_the_decision_is_taken_once_and_timing_stops():
     policy = timed(CompilePolicy(6.0), 1.0)
-    assert policy.decide(remaining_calls=100, capture_seconds=0.0)
+    assert policy.decide(remaining_calls=100, run_calls=100, capture_seconds=0.0)
     assert policy.compiling
-    assert not policy.decide(remaining_calls=100, capture_seconds=0.0)
+    assert not policy.decide(remaining_calls=100, run_calls=100, capture_seconds=0.0)
     assert not policy.wants_call_timing()
 
 
@@ -75,7 +95,7 @@ def test_recent_calls_decide():
     # Heavy calls of an earlier run, then quick ones: the window forgets the former.
     policy = timed(CompilePolicy(6.0), 1.0, calls=WINDOW)
     timed(policy, 0.001, calls=WINDOW)
-    assert not policy.decide(remaining_calls=1000, capture_seconds=0.0)
+    assert not policy.decide(remaining_calls=1000, run_calls=1000, capture_seconds=0.0)
 
 
 # ------------------------------------------------------------- the manager
@@ -132,10 +152,26 @@ def test_a_short_run_stays_uncompiled(monkeypatch):
     eager_backend(monkeypatch)
     tower = ToyTower().eval()
     manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
-    manager.begin_run(expected_calls=20)
-    timed(manager.compile_policy, 1.0)  # 20 calls x 0.25 s < a 6 s compile
-    calls(manager, tower, 20)
+    manager.begin_run(expected_calls=8)
+    timed(manager.compile_policy, 1.0)  # two runs of 8 calls save 16 x 0.3 s < 45 s
+    calls(manager, tower, 8)
     assert not manager.compiled_encoder.started and manager.stats.compile_seconds == 0.0
+
+
+@pytest.mark.parametrize("repay_runs, compiles", [(1, False), (2, True)])
+def test_compile_repay_runs_counts_later_runs_like_this_one(monkeypatch, repay_runs, compiles):
+    eager_backend(monkeypatch)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(
+        ToyEncoder(tower), capture="first_use", compile_repay_runs=repay_runs
+    )
+    # The toy's whole dynamic forward: a 45 s compile. 12 calls x 3 s saved:
+    # 36 s in this run, 72 s with one more like it.
+    assert manager.compile_policy.compile_seconds == 45.0
+    manager.begin_run(expected_calls=12)
+    timed(manager.compile_policy, 10.0)
+    calls(manager, tower, 2)
+    assert manager.compiled_encoder.started is compiles
 
 
 def test_a_failed_compile_warns_and_keeps_the_uncompiled_forward(monkeypatch):
@@ -193,9 +229,52 @@ def test_a_compiled_graph_that_differs_from_eager_ends_compiling(monkeypatch, co
         calls(manager, tower, 5)  # every output equal to the tower's, the first call's too
     assert not manager.compiled_encoder.started
     assert "relative error" in manager.compiled_encoder.compile_error
-    # The uncompiled forward serves from then on, with its weight copies.
+    # The uncompiled forward serves from then on, with its weight copies and ladder.
     assert manager.stats.hits > 0 and len(manager.cache) > 0
     assert not manager.policy.graphs_fuse_work and manager.weight_casts is not None
+    assert manager.paths["local"].budgets == [8, 16, 32, 64]
+
+
+# The toy's local path spans budgets 8..64.
+FINE_LADDER = generate_budgets(8, 64, "geometric", 1.05, 16)
+
+
+def test_compiled_graphs_get_a_finer_ladder(monkeypatch):
+    eager_backend(monkeypatch)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
+    assert manager.paths["local"].budgets == [8, 16, 32, 64]
+    calls(manager, tower, 3)
+    manager.start_compiling()
+    assert manager.paths["local"].budgets == FINE_LADDER != [8, 16, 32, 64]
+    calls(manager, tower, 5, seed=1)  # outputs still equal the tower's
+    keys = {key.descriptor.num_tokens for key in manager.cache.keys()}
+    assert keys <= set(FINE_LADDER) and keys - {8, 16, 32, 64}
+    # compile=True plans the fine ladder from the start.
+    compiled = EncoderGraphManager(ToyEncoder(tower), compile=True)
+    assert compiled.paths["local"].budgets == FINE_LADDER
+
+
+@pytest.mark.parametrize(
+    "budgets",
+    [{"budgets": [8, 32, 64]}, {"compiled_ratio": None}, {"ladder": "geometric", "ratio": 1.02}],
+)
+def test_explicit_fine_or_opted_out_ladders_stay_when_compiling(monkeypatch, budgets):
+    eager_backend(monkeypatch)
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets=budgets)
+    before = list(manager.paths["local"].budgets)
+    manager.start_compiling()
+    assert manager.compiled_encoder.started and manager.paths["local"].budgets == before
+
+
+def test_static_shapes_keep_their_ladder_when_compiling():
+    # A batch-first tower compiles each batch size: more budgets, more compiles.
+    tower = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4)).eval()
+    manager = EncoderGraphManager(BatchedEncoderAdapter(tower, max_batch_size=8))
+    before = {path: list(plan.budgets) for path, plan in manager.paths.items()}
+    manager.start_compiling()
+    assert manager.compiled_encoder.started
+    assert {path: plan.budgets for path, plan in manager.paths.items()} == before
 
 
 def test_compiled_graphs_that_equal_eager_are_kept(monkeypatch):

@@ -1,5 +1,6 @@
 import functools
 import random
+import time
 from collections.abc import Callable
 
 import pytest
@@ -115,8 +116,14 @@ def test_the_policy_leaves_the_one_time_compile_out_of_a_keys_capture_cost(monke
     # The compile of a path's first capture (its warm-up, on CUDA) is paid once;
     # counted as that key's capture cost it would make every later key of the
     # path look unrepayable.
+    # A compile of at least half a second: with dynamo already warm from other
+    # tests, tracing the toy alone can be quicker than its capture.
+    def slow_backend(graph_module, example_inputs):
+        time.sleep(0.5)
+        return graph_module.forward
+
     monkeypatch.setattr(
-        manager_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend="eager")
+        manager_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend=slow_backend)
     )
     manager = EncoderGraphManager(ToyEncoder(ToyTower().cuda().eval()), compile=True)
     manager.begin_run(expected_calls=100)

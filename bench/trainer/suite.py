@@ -102,9 +102,9 @@ def _predict(
     workload: Workload, tower: nn.Module, count: int, settings: BenchSettings
 ) -> list[dict[str, Any]]:
     batches = _batches(workload, tower, count, settings.seed, settings)
-    warm_up(tower, batches, settings.trainer.device, settings.trainer.precision)
     results = {}
     for method in settings.methods:
+        warm_up(tower, batches, settings.trainer.device, settings.trainer.precision)
         results[method] = predict_runs(
             tower, batches, method, settings.trainer, settings.fresh_trainer
         )
@@ -115,10 +115,10 @@ def _predict(
 def _fit(workload: Workload, tower: nn.Module, settings: BenchSettings) -> dict[str, Any]:
     train = _batches(workload, tower, settings.fit_train_batches, settings.seed + 1, settings)
     val = _batches(workload, tower, settings.fit_val_batches, settings.seed, settings)
-    warm_up(tower, val, settings.trainer.device, settings.trainer.precision)
     methods = [method for method in settings.methods if method in (EAGER, CALLBACK)]
     results = {}
     for method in methods:
+        warm_up(tower, val, settings.trainer.device, settings.trainer.precision)
         results[method] = fit_runs(tower, train, val, method, settings.trainer, settings.fit_epochs)
         release(method)
     return fit_row(workload.name, val.images(), settings.fit_epochs, len(val), results)
@@ -132,10 +132,13 @@ def _batches(
 
 
 def warm_up(tower: nn.Module, batches: SyntheticBatches, device: str, precision: str) -> None:
-    """Two eager calls on the first batch, so no method's first run pays for the device's start.
+    """Two eager calls on the first batch before each method, so no method's
+    first run pays for the device's start or for growing the memory cache.
 
-    cuBLAS and cuDNN initialize on the first call of a process; without this the
-    first method of the first workload would pay for it alone.
+    cuBLAS and cuDNN initialize on the first call of a process, and the caching
+    allocator, emptied after each method (:func:`release`), would otherwise
+    allocate a first batch's activations inside the next method's first run
+    alone (eager runs first, right after the warm-up).
     """
     batch = batches[0]
     packed = "grid_thw" in batch
