@@ -115,6 +115,8 @@ class EncoderGraphManager:
             else None
         )
         self._cuda = torch.cuda.is_available()
+        #: Compiling was given up: the next call restores the uncompiled plans.
+        self._uncompiled_plans_due = False
         self.encoder = encoder
         self.encoder_config = encoder.graph_config()
         choices = self._budget_choices = path_budget_choices(self.encoder_config, self.config)
@@ -262,18 +264,27 @@ class EncoderGraphManager:
 
     def _stop_compiling(self, reason: str) -> None:
         """A compiled graph's output differed from eager: drop the compiled graphs
-        and capture the adapter's own forward from now on, for good."""
+        now, and capture the adapter's own forward from now on, for good."""
         self.compiled_encoder.give_up(reason)
+        self.clear()
+
+    def _compiling_given_up(self) -> None:
+        """Graphs are uncompiled from now on (a failed compile, or outputs that
+        differed): nothing to check against eager, no fused work to expect. The
+        uncompiled ladders and weight copies come back at the next call: a
+        failed compile is met inside a capture, where plans must not change."""
+        self.runner.on_compiled_mismatch = None
+        self.policy.graphs_fuse_work = False
+        self._uncompiled_plans_due = True
+
+    def _back_to_uncompiled_plans(self) -> None:
+        """Drop the graphs of the compiled plans; the uncompiled ladders and
+        weight copies serve from now on."""
+        self._uncompiled_plans_due = False
         self.clear()
         self._use_ladders(compiled=False)
         self.weight_casts = weight_casts_for(self.encoder, self.config.cast_weights_per_run)
         self.capturer.weight_casts = self.weight_casts
-
-    def _compiling_given_up(self) -> None:
-        """Graphs are uncompiled from now on (a failed compile, or outputs that
-        differed): nothing to check against eager, no fused work to expect."""
-        self.runner.on_compiled_mismatch = None
-        self.policy.graphs_fuse_work = False
 
     def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
         """Learn the ladder of every ``auto`` path from a sample of batches.
@@ -337,6 +348,8 @@ class EncoderGraphManager:
         # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
         if torch.is_grad_enabled() or self._sampling(specs):
             return self.runner.run_eagerly(inputs, specs)
+        if self._uncompiled_plans_due:
+            self._back_to_uncompiled_plans()
         if self.compile_policy is not None:
             return self._run_weighing_compile(inputs, specs)
         return self.runner.run(inputs, specs)

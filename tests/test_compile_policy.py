@@ -187,6 +187,9 @@ def test_a_failed_compile_warns_and_keeps_the_uncompiled_forward(monkeypatch):
     assert "no compiler here" in manager.compiled_encoder.compile_error
     assert not manager.compiled_encoder.started and manager.stats.hits > 0
     assert not manager.policy.graphs_fuse_work  # the graphs are uncompiled again
+    # The call after the failure brought back the uncompiled ladder and weight copies.
+    assert manager.paths["local"].budgets == [8, 16, 32, 64]
+    assert manager.weight_casts is not None
     graphs = len(manager.cache)
     manager.start_compiling()  # given up for good: nothing changes
     assert len(manager.cache) == graphs and not manager.compiled_encoder.started
