@@ -99,8 +99,8 @@ class CUDAGraphCallback(Callback):
             (graphs timed against eager on the first real items; a sub-batch
             runs where it is faster). Measuring needs CUDA.
         compile: capture a ``torch.compile``'d graph forward: ``"auto"`` once the
-            run's remaining calls are expected to repay the compile
-            (:mod:`lightning_cg.compile_policy`), ``True`` from the first capture
+            calls ahead (``compile_repay_runs``) are expected to repay the
+            compile (:mod:`lightning_cg.compile_policy`), ``True`` from the first capture
             (not with PIECEWISE modes), ``False`` never.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks once, when they hold most of its weights; else the

@@ -181,8 +181,8 @@ class GraphConfig:
         dispatch: ``budget`` (the smallest fitting budget's graph) or
             ``measured`` (a path's whole ladder captured and timed against
             eager on its first real items; graphs only where faster).
-        compile: ``auto``: capture a ``torch.compile``'d graph forward once a
-            run's remaining calls are expected to repay the compile
+        compile: ``auto``: capture a ``torch.compile``'d graph forward once the
+            calls ahead (``compile_repay_runs``) are expected to repay the compile
             (:mod:`lightning_cg.compile_policy`; a failed compile falls back to
             the uncompiled forward); ``true``: from the first capture; ``false``: never.
         compile_repay_runs: ``compile="auto"`` compiles when the run's remaining
