@@ -76,7 +76,9 @@ class BudgetConfig:
             ladder coarser than this (``pow2``, or ``geometric`` with a larger
             ratio) becomes ``geometric`` with this ratio over the same range:
             finer budgets then cost only their captures and pad less. None
-            keeps the ladder; explicit and ``auto`` ladders are always kept.
+            keeps the ladder; explicit and ``auto`` ladders are always kept,
+            and so is every ladder with ``dispatch="measured"`` (it captures
+            and times a path's whole ladder).
     """
 
     min_budget: int | None = None

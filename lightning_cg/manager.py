@@ -252,8 +252,9 @@ class EncoderGraphManager:
     def _use_ladders(self, compiled: bool) -> None:
         """The ladders of compiled graphs (finer) or of uncompiled ones, where one
         compile serves every budget (dynamic shapes): a budget then costs its
-        capture alone, and padding costs fused work on every replay."""
-        if not self.compiled_encoder.static_shapes:
+        capture alone, and padding costs fused work on every replay. Not with
+        measured dispatch, which captures and times a path's whole ladder."""
+        if not (self.compiled_encoder.static_shapes or self.config.dispatch == "measured"):
             use_ladders(
                 self.encoder,
                 self.paths,

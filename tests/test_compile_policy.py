@@ -270,6 +270,16 @@ def test_explicit_fine_or_opted_out_ladders_stay_when_compiling(monkeypatch, bud
     assert manager.compiled_encoder.started and manager.paths["local"].budgets == before
 
 
+def test_measured_dispatch_keeps_its_ladder_when_compiling(monkeypatch):
+    # Measured dispatch captures and times a path's whole ladder: a finer one
+    # would multiply its captures (64..4096 tokens: 62 budgets instead of 7).
+    eager_backend(monkeypatch)
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), dispatch="measured")
+    manager.start_compiling()
+    assert manager.compiled_encoder.started
+    assert manager.paths["local"].budgets == [8, 16, 32, 64]
+
+
 def test_static_shapes_keep_their_ladder_when_compiling():
     # A batch-first tower compiles each batch size: more budgets, more compiles.
     tower = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4)).eval()
