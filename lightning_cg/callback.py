@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -227,8 +228,11 @@ class CUDAGraphCallback(Callback):
         if trainer.sanity_checking and not self.capture_during_sanity_check:
             return
         if "validate" in self.stages:
-            batches = trainer.num_sanity_val_batches if trainer.sanity_checking else None
-            self._swap_in(trainer, _total_batches(batches or trainer.num_val_batches))
+            if trainer.sanity_checking:
+                self._swap_in(trainer, _total_batches(trainer.num_sanity_val_batches))
+            else:
+                later_runs = _validation_runs_after(trainer)
+                self._swap_in(trainer, _total_batches(trainer.num_val_batches), later_runs)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,7 +259,9 @@ class CUDAGraphCallback(Callback):
 
     # ------------------------------------------------------------ swapping
 
-    def _swap_in(self, trainer: pl.Trainer, expected_calls: int | None) -> None:
+    def _swap_in(
+        self, trainer: pl.Trainer, expected_calls: int | None, later_runs: int | None = None
+    ) -> None:
         # A collective: every rank takes part before any of them may return.
         graphs_usable = self._agree_graphs_usable(trainer)
         if self.manager is None or self._tower is None or self._swapped is not None:
@@ -263,7 +269,7 @@ class CUDAGraphCallback(Callback):
         self._bind_tensors()
         self._tell_once_without_cuda()
         self._run_manager = self.manager if graphs_usable else self._eager_manager()
-        self._run_manager.begin_run(expected_calls)
+        self._run_manager.begin_run(expected_calls, later_runs)
         tower, manager = self._tower, self._run_manager
         execute = self._executor(trainer)
 
@@ -355,3 +361,24 @@ def _total_batches(batches: Any) -> int | None:
     ):
         return None
     return int(sum(counts))
+
+
+def _validation_runs_after(trainer: pl.Trainer) -> int | None:
+    """The validation runs a fit still makes after the current one; None outside
+    a fit or when its length is not known in epochs (``max_epochs`` unlimited,
+    ``max_steps`` set, or validation every so many training batches)."""
+    epochs, every = trainer.max_epochs, trainer.check_val_every_n_epoch
+    once_per_epoch = isinstance(trainer.val_check_interval, float) and (
+        trainer.val_check_interval == 1.0
+    )
+    if (
+        trainer.state.fn != TrainerFn.FITTING
+        or epochs is None
+        or epochs < 0
+        or trainer.max_steps != -1
+        or every is None
+        or not once_per_epoch
+    ):
+        return None
+    # Validation follows the epochs whose number (from 1) is a multiple of ``every``.
+    return max(epochs // every - (trainer.current_epoch + 1) // every, 0)

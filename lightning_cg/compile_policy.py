@@ -16,9 +16,10 @@ its length (the capture policy's estimates: the Trainer's batch count, or as
 many again as so far). Compiled code outlives the run, and a Trainer's runs
 repeat (``validate`` every epoch, ``predict`` again), so the compile may be
 repaid over ``repay_runs`` runs like the current one, this one included
-(``compile_repay_runs``, 2 by default): a long run of heavy calls compiles in
-its first calls and may end slower than eager so that the next runs are
-faster. Short runs, and calls too quick for fusion to matter, stay
+(``compile_repay_runs``, 2 by default), or over the runs known to follow
+(a fit's validation runs still to come) when they are more: a long run of
+heavy calls compiles in its first calls and may end slower than eager so that
+the next runs are faster. Short runs, and calls too quick for fusion to matter, stay
 uncompiled. The horizon does not grow with the runs a process has made, so a
 repeated short run does not compile in its third or tenth run. The compile
 seconds are estimated by what is compiled (:data:`COMPILE_SECONDS_PRIOR`,
@@ -69,12 +70,17 @@ class CompilePolicy:
         self.compile_seconds = compile_seconds
         self.gain = gain
         self.repay_runs = repay_runs
+        self._known_later_runs = 0
         #: Whether the policy has decided to compile (it never goes back).
         self.compiling = False
         self._call_seconds: deque[float] = deque(maxlen=WINDOW)
         # decide() runs before every call; the median changes only with a sample.
         self._median: float | None = None
         self._calls = 0
+
+    def begin_run(self, later_runs: int | None) -> None:
+        """A run starts that ``later_runs`` runs like it are known to follow (None: unknown)."""
+        self._known_later_runs = later_runs or 0
 
     def wants_call_timing(self) -> bool:
         """Whether the next call should be timed (counts the call)."""
@@ -90,13 +96,14 @@ class CompilePolicy:
 
     def decide(self, remaining_calls: float, run_calls: float, capture_seconds: float) -> bool:
         """True once: when the run's ``remaining_calls`` and ``repay_runs - 1``
-        more runs of ``run_calls`` repay the compile and the recapture of what
-        is captured (``capture_seconds``)."""
+        more runs of ``run_calls`` (or the runs known to follow, if more) repay
+        the compile and the recapture of what is captured (``capture_seconds``)."""
         if self.compiling or len(self._call_seconds) < MIN_SAMPLES:
             return False
         if self._median is None:
             self._median = statistics.median(self._call_seconds)
-        expected_calls = remaining_calls + (self.repay_runs - 1) * run_calls
+        later_runs = max(self.repay_runs - 1, self._known_later_runs)
+        expected_calls = remaining_calls + later_runs * run_calls
         saved = expected_calls * self._median * self.gain
         self.compiling = saved >= self.compile_seconds + capture_seconds
         return self.compiling
@@ -109,5 +116,6 @@ class CompilePolicy:
             "call_s": statistics.median(self._call_seconds) if timed else None,
             "gain": self.gain,
             "repay_runs": self.repay_runs,
+            "known_later_runs": self._known_later_runs,
             "compile_s": self.compile_seconds,
         }

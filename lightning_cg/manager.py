@@ -190,12 +190,16 @@ class EncoderGraphManager:
         """Per auto path: the learned ladder, its expected padding and sample size."""
         return self.auto_ladder.learned
 
-    def begin_run(self, expected_calls: int | None = None) -> None:
+    def begin_run(self, expected_calls: int | None = None, later_runs: int | None = None) -> None:
         """Start a run: zero the run counters, tell the capture policy how many
         calls to expect (None: unknown), which bounds what a capture can repay,
-        and bring the weight copies graphs read to the tower's current weights."""
+        tell ``compile="auto"`` how many runs like it are known to follow (a
+        fit's validation runs still to come; None: unknown), and bring the
+        weight copies graphs read to the tower's current weights."""
         self.stats.reset_run()
         self.policy.begin_run(expected_calls)
+        if self.compile_policy is not None:
+            self.compile_policy.begin_run(later_runs)
         if self.weight_casts is not None:
             # Graphs read the copies: bring them to the weights of this run.
             self.weight_casts.refresh()

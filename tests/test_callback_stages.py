@@ -95,3 +95,42 @@ def test_the_original_forward_is_back_before_later_end_hooks_run():
         *[("predict", False)] * 3,
         ("on_predict_end", True),
     ]
+
+
+class LaterRunsRecorder(Callback):
+    """Records the ``later_runs`` the callback gives its manager at each run's start."""
+
+    def __init__(self, graph_callback: CUDAGraphCallback) -> None:
+        self.graph_callback = graph_callback
+        self.later_runs: list[int | None] = []
+
+    def setup(self, trainer, pl_module, stage):
+        manager = self.graph_callback.manager
+        begin_run = manager.begin_run
+
+        def recording_begin_run(expected_calls=None, later_runs=None):
+            self.later_runs.append(later_runs)
+            begin_run(expected_calls, later_runs)
+
+        manager.begin_run = recording_begin_run
+
+
+@pytest.mark.parametrize(
+    "fit_options, expected",
+    [
+        ({"max_epochs": 3}, [2, 1, 0]),
+        ({"max_epochs": 5, "check_val_every_n_epoch": 2}, [1, 0]),
+        ({"max_epochs": 2, "max_steps": 6}, [None, None]),  # may end before its epochs
+        ({"max_epochs": 1, "val_check_interval": 1}, [None] * 3),  # every training batch
+    ],
+)
+def test_a_fit_tells_the_manager_how_many_validation_runs_follow(fit_options, expected):
+    callback = CUDAGraphCallback(module="vision_tower", budgets=BUDGETS)
+    recorder = LaterRunsRecorder(callback)
+    net = RecordingModel()
+    data = datamodule()
+    trainer(callback, recorder, limit_val_batches=1, **fit_options).fit(net, data)
+    assert recorder.later_runs == expected
+    trainer(callback, recorder).validate(net, data)
+    trainer(callback, recorder).predict(net, data)
+    assert recorder.later_runs[-2:] == [None, None]

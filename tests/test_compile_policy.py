@@ -61,6 +61,19 @@ def test_later_runs_like_this_one_repay_the_compile_too():
     assert CompilePolicy(6.0).gain == COMPILE_GAIN_PRIOR
 
 
+def test_runs_known_to_follow_count_when_they_are_more():
+    # Validation runs of 20 calls of 0.1 s, a quarter saved: 240 calls repay 6 s.
+    def decides(later_runs: int | None) -> bool:
+        policy = timed(CompilePolicy(6.0, gain=0.25, repay_runs=2), 0.1)
+        policy.begin_run(later_runs)
+        return policy.decide(remaining_calls=20, run_calls=20, capture_seconds=0.0)
+
+    assert not decides(later_runs=None)  # this run and one more: 40 calls
+    assert not decides(later_runs=0)  # never fewer runs than compile_repay_runs
+    assert not decides(later_runs=9)  # 200 calls
+    assert decides(later_runs=15)  # 320 calls
+
+
 def test_graphs_to_capture_again_raise_the_bar():
     policy = one_run(6.0, 0.1)
     assert not policy.decide(remaining_calls=240, run_calls=1000, capture_seconds=1.0)
