@@ -28,13 +28,16 @@ import functools
 import time
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_cg.compile_regions import CompiledBlocks, blocks_to_compile
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder, ItemSpec
+
+if TYPE_CHECKING:  # config imports this module for check_compile
+    from lightning_cg.config import GraphConfig
 
 #: Values of the ``compile`` option: off, on from the first capture, or when a run repays it.
 COMPILE_CHOICES = (False, True, "auto")
@@ -57,6 +60,40 @@ def check_compile(compile: bool | str, mode: GraphMode) -> bool | str:
             "without pieces: none, full, full_uniform_only"
         )
     return compile
+
+
+def compiled_encoder_for(
+    encoder: GraphableEncoder,
+    config: GraphConfig,
+    on_compile: Callable[[float], None],
+    on_give_up: Callable[[], None],
+) -> CompiledEncoder | None:
+    """The compiling wrapper ``config.compile`` asks for around ``encoder``:
+    started for ``True``; for ``auto``, unstarted (the manager starts it once
+    compiling pays) and falling back to the uncompiled forward if the compile
+    fails; None for ``False`` and for ``auto`` in a mode without FULL graphs.
+
+    Args:
+        encoder: the adapter.
+        config: the graph options (``compile``, ``compile_scope``, ``mode``).
+        on_compile: called with the seconds of each graph forward that may compile.
+        on_give_up: called once compiling is given up.
+    """
+    compile_now = config.compile is True
+    mode = config.mode
+    compiles_later = (
+        config.compile == "auto" and mode is not GraphMode.NONE and not mode.requires_piecewise()
+    )
+    if not (compile_now or compiles_later):
+        return None
+    return CompiledEncoder(
+        encoder,
+        on_compile=on_compile,
+        scope=config.compile_scope,
+        started=compile_now,
+        fall_back=not compile_now,
+        on_give_up=on_give_up,
+    )
 
 
 class CompiledEncoder:

@@ -40,9 +40,8 @@ from lightning_cg.call_runner import CallRunner
 from lightning_cg.capture import GraphCapturer, ProgressFn, path_keys
 from lightning_cg.capture_policy import CapturePolicy
 from lightning_cg.compile_policy import COMPILE_SECONDS_PRIOR, CompilePolicy
-from lightning_cg.compiled import CompiledEncoder
+from lightning_cg.compiled import compiled_encoder_for
 from lightning_cg.config import BudgetConfig, GraphConfig
-from lightning_cg.dispatcher import GraphMode
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.outputs import CallOutputs
@@ -95,16 +94,10 @@ class EncoderGraphManager:
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
         compile_now = self.config.compile is True
         #: The compiling wrapper of the adapter (None when nothing may compile).
-        self.compiled_encoder: CompiledEncoder | None = None
-        if compile_now or self._may_compile_later():
-            encoder = self.compiled_encoder = CompiledEncoder(
-                encoder,
-                on_compile=self._count_compile_seconds,
-                scope=self.config.compile_scope,
-                started=compile_now,
-                fall_back=not compile_now,
-                on_give_up=self._compiling_given_up,
-            )
+        self.compiled_encoder = compiled_encoder_for(
+            encoder, self.config, self._count_compile_seconds, self._compiling_given_up
+        )
+        encoder = self.compiled_encoder or encoder
         #: When ``compile="auto"`` starts compiling; None when it cannot or has.
         self.compile_policy = (
             CompilePolicy(
@@ -358,15 +351,6 @@ class EncoderGraphManager:
         if self.compile_policy is not None:
             return self._run_weighing_compile(inputs, specs)
         return self.runner.run(inputs, specs)
-
-    def _may_compile_later(self) -> bool:
-        """``compile="auto"`` with a mode whose graphs can be compiled (FULL ones)."""
-        mode = self.config.mode
-        return (
-            self.config.compile == "auto"
-            and mode is not GraphMode.NONE
-            and not mode.requires_piecewise()
-        )
 
     def _run_weighing_compile(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
         """A call while ``compile="auto"`` waits: some calls are timed on the GPU,

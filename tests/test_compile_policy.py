@@ -8,6 +8,7 @@ import pytest
 import torch
 from toy_encoder import ToyEncoder, ToyTower
 
+import lightning_cg.compiled as compiled_module
 import lightning_cg.manager as manager_module
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.budgets import generate_budgets
@@ -117,7 +118,7 @@ def test_recent_calls_decide():
 def eager_backend(monkeypatch, backend="eager") -> None:
     """Compile with dynamo's ``backend`` (eager: traces, generates no code)."""
     monkeypatch.setattr(
-        manager_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend=backend)
+        compiled_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend=backend)
     )
 
 

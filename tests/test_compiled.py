@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from toy_encoder import ToyEncoder, ToyTower
 
-import lightning_cg.manager as manager_module
+import lightning_cg.compiled as compiled_module
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.compiled import CompiledEncoder
@@ -123,7 +123,7 @@ def test_the_policy_leaves_the_one_time_compile_out_of_a_keys_capture_cost(monke
         return graph_module.forward
 
     monkeypatch.setattr(
-        manager_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend=slow_backend)
+        compiled_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend=slow_backend)
     )
     manager = EncoderGraphManager(ToyEncoder(ToyTower().cuda().eval()), compile=True)
     manager.begin_run(expected_calls=100)
