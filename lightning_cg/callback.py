@@ -108,7 +108,8 @@ class CUDAGraphCallback(Callback):
             whole graph forward), ``blocks`` or ``whole``.
         compile_repay_runs: ``compile="auto"`` compiles when the rest of the run
             and this many runs like it in all are expected to repay the compile
-            (1: the current run alone).
+            (1: the current run alone); in a fit, the validation runs still to
+            come count instead when they are more.
         capture: ``paid_back`` (a key is captured once its expected replays in the
             run repay the capture) or ``first_use`` (at the first batch that needs it).
         min_sightings: sightings of a key before ``paid_back`` may capture it.

@@ -190,7 +190,9 @@ class GraphConfig:
         compile_repay_runs: ``compile="auto"`` compiles when the run's remaining
             calls and this many runs like it in all, counting the current one,
             are expected to repay the compile: compiled code outlives the run,
-            and a Trainer's runs repeat. 1 weighs the current run alone.
+            and a Trainer's runs repeat. 1 weighs the current run alone. Runs
+            known to follow (``begin_run``'s ``later_runs``) count instead
+            when they are more.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks, once for all of them, when they hold most of its
             weights; else the whole graph forward), ``blocks`` or ``whole``
