@@ -48,7 +48,7 @@ from lightning_cg.outputs import CallOutputs
 from lightning_cg.plan import path_budget_choices, plan_paths, use_ladders
 from lightning_cg.replay import autocast_key
 from lightning_cg.stats import GraphStats
-from lightning_cg.weight_casts import weight_casts_for
+from lightning_cg.weight_casts import WeightCasts, weight_casts_for
 
 __all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
 
@@ -119,9 +119,9 @@ class EncoderGraphManager:
         self.cache = GraphCache()
         # Not for compiled capture: a copy's dtype would recompile the forward.
         casts_on = self.config.cast_weights_per_run and not compile_now
-        self.weight_casts = weight_casts_for(encoder, casts_on)
+        weight_casts = weight_casts_for(encoder, casts_on)
         self.capturer = GraphCapturer(
-            encoder, self.config, self.paths, self.cache, self.stats, progress, self.weight_casts
+            encoder, self.config, self.paths, self.cache, self.stats, progress, weight_casts
         )
         self.policy = CapturePolicy(
             first_use=self.config.capture == "first_use",
@@ -163,6 +163,12 @@ class EncoderGraphManager:
     def capture_error(self) -> str | None:
         """The capture error that turned every path eager (``capture_errors="eager"``)."""
         return self.capturer.capture_error
+
+    @property
+    def weight_casts(self) -> WeightCasts | None:
+        """The low-precision weight copies graphs are captured with (None: off,
+        or compiled graphs); the capturer's, refreshed at each run's start."""
+        return self.capturer.weight_casts
 
     @property
     def max_items(self) -> int:
@@ -241,7 +247,7 @@ class EncoderGraphManager:
         self._use_ladders(compiled=True)
         # The low-precision weight copies change the dtypes the compiled code
         # guards on: compiled graphs cast as they run instead.
-        self.weight_casts = self.capturer.weight_casts = None
+        self.capturer.weight_casts = None
         self.policy.graphs_fuse_work = True
         self.compile_policy = None
         self.runner.on_compiled_mismatch = self._stop_compiling
@@ -281,8 +287,9 @@ class EncoderGraphManager:
         self._uncompiled_plans_due = False
         self.clear()
         self._use_ladders(compiled=False)
-        self.weight_casts = weight_casts_for(self.encoder, self.config.cast_weights_per_run)
-        self.capturer.weight_casts = self.weight_casts
+        self.capturer.weight_casts = weight_casts_for(
+            self.encoder, self.config.cast_weights_per_run
+        )
 
     def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
         """Learn the ladder of every ``auto`` path from a sample of batches.
