@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         args.output.write_text(json.dumps(rows, indent=1) + "\n")
         for row in rows:
             print(json.dumps(row))
+    if dist.is_available() and dist.is_initialized():
+        # Left to the interpreter's exit, gloo's threads sometimes abort it
+        # ("terminate called without an active exception", SIGABRT).
+        dist.destroy_process_group()
 
 
 def _gather(per_rank: list[dict]) -> list[list[dict]]:
