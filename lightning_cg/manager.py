@@ -114,12 +114,8 @@ class EncoderGraphManager:
         self.encoder_config = encoder.graph_config()
         choices = self._budget_choices = path_budget_choices(self.encoder_config, self.config)
         self.paths, max_items = plan_paths(encoder, self.config, choices)
-        if compile_now:
-            self._use_ladders(compiled=True)
         self.cache = GraphCache()
-        # Not for compiled capture: a copy's dtype would recompile the forward.
-        casts_on = self.config.cast_weights_per_run and not compile_now
-        weight_casts = weight_casts_for(encoder, casts_on)
+        weight_casts = weight_casts_for(encoder, self.config.cast_weights_per_run)
         self.capturer = GraphCapturer(
             encoder, self.config, self.paths, self.cache, self.stats, progress, weight_casts
         )
@@ -127,7 +123,6 @@ class EncoderGraphManager:
             first_use=self.config.capture == "first_use",
             min_sightings=self.config.min_sightings,
             drop_slower_graphs=self.config.drop_slower_graphs,
-            graphs_fuse_work=compile_now,
         )
         self.auto_ladder = AutoLadder(
             choices,
@@ -155,7 +150,7 @@ class EncoderGraphManager:
             self.encoder_config.padding_rules,
         )
         if compile_now:
-            self.runner.on_compiled_mismatch = self._stop_compiling
+            self._use_compiled_plans()
 
     # ------------------------------------------------------------- public API
 
@@ -244,12 +239,16 @@ class EncoderGraphManager:
             return
         self.clear()
         self.compiled_encoder.start()
+        self.compile_policy = None
+        self._use_compiled_plans()
+
+    def _use_compiled_plans(self) -> None:
+        """Plan for compiled graphs: finer ladders, no weight copies (their dtype
+        would make the compiled code recompile: compiled graphs cast as they
+        run), fused work expected, first replays checked against eager."""
         self._use_ladders(compiled=True)
-        # The low-precision weight copies change the dtypes the compiled code
-        # guards on: compiled graphs cast as they run instead.
         self.capturer.weight_casts = None
         self.policy.graphs_fuse_work = True
-        self.compile_policy = None
         self.runner.on_compiled_mismatch = self._stop_compiling
 
     def _use_ladders(self, compiled: bool) -> None:
