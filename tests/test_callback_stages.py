@@ -106,6 +106,8 @@ class LaterRunsRecorder(Callback):
 
     def setup(self, trainer, pl_module, stage):
         manager = self.graph_callback.manager
+        if "begin_run" in vars(manager):
+            return  # wrapped by an earlier Trainer's setup: the callback kept its manager
         begin_run = manager.begin_run
 
         def recording_begin_run(expected_calls=None, later_runs=None):
@@ -133,4 +135,4 @@ def test_a_fit_tells_the_manager_how_many_validation_runs_follow(fit_options, ex
     assert recorder.later_runs == expected
     trainer(callback, recorder).validate(net, data)
     trainer(callback, recorder).predict(net, data)
-    assert recorder.later_runs[-2:] == [None, None]
+    assert recorder.later_runs == [*expected, None, None]
