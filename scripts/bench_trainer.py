@@ -12,6 +12,8 @@ with a validation loop each epoch and sum the validation tower seconds.
     python scripts/bench_trainer.py --workloads packed_vit/mixed_batch_8 --batches 1000 \\
         --methods eager callback
     python scripts/bench_trainer.py --workloads fit/vit_b_16/batch_8 --fit-epochs 5
+    python scripts/bench_trainer.py --workloads vit_b_16/batch_1 --batches 10 --repeats 5 \
+        --methods eager callback                        # the median of 5 fresh repeats
     python scripts/bench_trainer.py --workloads clip_vit_b16/batch_8 \
         qwen2_vl_vision/mixed_batch_8 --batches 100     # transformers towers (the hf extra)
     python scripts/bench_trainer.py --device cpu --tiny --batches 2 --fit-epochs 2 \\
@@ -85,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also predict once more on a new Trainer (second run, fresh trainer)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="predict workloads: run each method's runs this many times afresh, "
+        "alternating the methods' order, and report the median (short runs are noisy)",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument(
         "--precision",
@@ -139,7 +148,7 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    for name in ("batches", "fit_epochs", "fit_val_batches", "fit_train_batches"):
+    for name in ("batches", "repeats", "fit_epochs", "fit_val_batches", "fit_train_batches"):
         values = getattr(args, name)
         if min(values if isinstance(values, list) else [values]) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {values}")
@@ -160,6 +169,7 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
         sizes=replace(base, mixed_sides=sides),
         seed=args.seed,
         fresh_trainer=args.fresh_trainer,
+        repeats=args.repeats,
         fit_epochs=args.fit_epochs,
         fit_val_batches=args.fit_val_batches,
         fit_train_batches=args.fit_train_batches,

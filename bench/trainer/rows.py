@@ -42,6 +42,10 @@ EXTRA_KEYS = (
     "compile_max_abs_diff",
     "images",
     "callback_stats",  # callback.last_stats after the run (fit: after the last epoch)
+    "repeats",  # predict rows: times each method ran the pair of runs; figures of the median
+    "eager_tower_s_repeats",  # every repeat's tower seconds, in order
+    "callback_tower_s_repeats",
+    "compile_tower_s_repeats",
 )
 #: Extra fields of fit rows: per-epoch figures and the whole fit's wall time.
 FIT_KEYS = (
@@ -79,6 +83,29 @@ def predict_rows(
         row = _predict_row(_empty_row(workload, batches, run), by_method)
         rows.append(row | {"trainer": trainer, "images": images})
     return rows
+
+
+def median_runs(repeats: Sequence[Mapping[str, PredictRun]]) -> dict[str, PredictRun]:
+    """Per run name, the repeat whose tower seconds are the median (the lower of the
+    two middle ones for an even count): its record, outputs and capture figures
+    stand for the run.
+
+    Args:
+        repeats: what :func:`~bench.trainer.runs.predict_runs` returned, once per repeat.
+    """
+    chosen = {}
+    for name in repeats[0]:
+        runs = sorted((runs[name] for runs in repeats), key=lambda run: run.record.tower_s)
+        chosen[name] = runs[(len(runs) - 1) // 2]
+    return chosen
+
+
+def repeat_fields(repeats: Mapping[str, Sequence[Mapping[str, PredictRun]]], name: str) -> dict:
+    """The ``repeats`` fields of run ``name``'s row: per method, every repeat's tower seconds."""
+    fields: dict[str, Any] = {"repeats": len(next(iter(repeats.values())))}
+    for method, runs in repeats.items():
+        fields[f"{method}_tower_s_repeats"] = [run[name].record.tower_s for run in runs]
+    return fields
 
 
 def _predict_row(row: dict[str, Any], by_method: Mapping[str, PredictRun]) -> dict[str, Any]:

@@ -18,9 +18,11 @@ from torch import nn
 from bench.trainer.rows import (
     describe,
     fit_row,
+    median_runs,
     merge_rows,
     predict_rows,
     read_rows,
+    repeat_fields,
     write_json,
 )
 from bench.trainer.runs import (
@@ -49,6 +51,9 @@ class BenchSettings:
         seed: seeds weights and batches.
         fresh_trainer: predict a third time with a new Trainer (a ``second`` row,
             ``trainer: fresh``).
+        repeats: times each method runs its predict runs afresh (a new module,
+            callback and Trainer each time), the methods' order alternating;
+            a row reports each run's median repeat.
         fit_epochs: epochs of a fit.
         fit_val_batches: validation batches per epoch.
         fit_train_batches: training batches per epoch.
@@ -63,6 +68,7 @@ class BenchSettings:
     sizes: Sizes
     seed: int = 0
     fresh_trainer: bool = False
+    repeats: int = 1
     fit_epochs: int = 5
     fit_val_batches: int = 50
     fit_train_batches: int = 2
@@ -102,14 +108,22 @@ def _predict(
     workload: Workload, tower: nn.Module, count: int, settings: BenchSettings
 ) -> list[dict[str, Any]]:
     batches = _batches(workload, tower, count, settings.seed, settings)
-    results = {}
-    for method in settings.methods:
-        warm_up(tower, batches, settings.trainer.device, settings.trainer.precision)
-        results[method] = predict_runs(
-            tower, batches, method, settings.trainer, settings.fresh_trainer
-        )
-        release(method)
-    return predict_rows(workload.name, count, batches.images(), results)
+    repeats: dict[str, list] = {method: [] for method in settings.methods}
+    for repeat in range(settings.repeats):
+        # Every other repeat in reverse, so that no method always runs first.
+        order = settings.methods if repeat % 2 == 0 else settings.methods[::-1]
+        for method in order:
+            warm_up(tower, batches, settings.trainer.device, settings.trainer.precision)
+            repeats[method].append(
+                predict_runs(tower, batches, method, settings.trainer, settings.fresh_trainer)
+            )
+            release(method)
+    results = {method: median_runs(runs) for method, runs in repeats.items()}
+    rows = predict_rows(workload.name, count, batches.images(), results)
+    if settings.repeats == 1:
+        return rows
+    names = list(results[settings.methods[0]])
+    return [row | repeat_fields(repeats, name) for row, name in zip(rows, names, strict=True)]
 
 
 def _fit(workload: Workload, tower: nn.Module, settings: BenchSettings) -> dict[str, Any]:

@@ -80,6 +80,29 @@ def test_smoke_run_writes_one_row_per_workload_length_and_run(tmp_path):
     assert merged_rows[1:] == rows[1:] and merged_rows[0]["compile_tower_s"] == 1.0
 
 
+def test_repeats_report_the_median_run_of_each_method(tmp_path):
+    output = tmp_path / "trainer.json"
+    result = bench_trainer(
+        "--tiny",
+        "--batches=2",
+        "--workloads=vit_b_16/batch_1",
+        "--methods",
+        "eager",
+        "callback",
+        "--repeats=3",
+        f"--output={output}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(output.read_text())
+    assert [row["run"] for row in rows] == ["first", "second"]
+    for row in rows:
+        assert row["repeats"] == 3
+        for method in ("eager", "callback"):
+            repeats = row[f"{method}_tower_s_repeats"]
+            assert len(repeats) == 3 and row[f"{method}_tower_s"] == sorted(repeats)[1]
+        assert row["vs_eager"] == pytest.approx(row["eager_tower_s"] / row["callback_tower_s"])
+
+
 def test_callback_outputs_equal_eager_outputs_on_mixed_sizes():
     workload = Workload.parse("packed_vit_small/mixed_batch_8")
     tower = make_tower(workload, TINY_SIZES, seed=0)
