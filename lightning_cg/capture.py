@@ -33,9 +33,9 @@ from lightning_cg.faults import (
     OUT_OF_MEMORY,
     CaptureFault,
     capture_failed,
+    capturing,
     diagnose,
     free_device_memory,
-    recording,
 )
 from lightning_cg.piecewise import PiecewiseSplit, PiecewiseUnsupported, split_graph_forward
 from lightning_cg.piecewise_graph import PiecewiseGraph
@@ -125,7 +125,6 @@ class GraphCapturer:
     def _capture_recovering(self, keys: list[GraphKey], max_items: int) -> None:
         out_of_memory: dict[str, list[int]] = {}
         paths = sorted({key.path for key in keys})
-        cache_emptied = False
         while True:
             try:
                 failure = self._capture_keys(self._still_wanted(keys), max_items)
@@ -142,12 +141,6 @@ class GraphCapturer:
                 self.stop_capturing(fault)
                 free_device_memory()
                 break
-            if fault.kind == OUT_OF_MEMORY and not cache_emptied:
-                # Captures keep the allocator's cached memory (faults.recording):
-                # hand it back and try once more before a budget is given up.
-                cache_emptied = True
-                free_device_memory()
-                continue
             if fault.kind == OUT_OF_MEMORY:
                 budget = key.descriptor.num_tokens
                 out_of_memory.setdefault(key.path, []).append(budget)
@@ -231,7 +224,11 @@ class GraphCapturer:
             cast_dtype = self._warm_up(path, buffers)
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with self._casts_in(cast_dtype), recording(cuda_graph, pool):
+        with (
+            self._casts_in(cast_dtype),
+            capturing(),
+            torch.cuda.graph(cuda_graph, pool=pool),
+        ):
             output = self.encoder.graph_forward(path, buffers)
         return cuda_graph, output
 

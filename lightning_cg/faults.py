@@ -20,7 +20,6 @@ import contextlib
 import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -189,39 +188,6 @@ def capturing() -> Iterator[None]:
                 f"{type(error).__name__} while capturing a graph: {error}"
             ) from error
         raise
-
-
-@contextlib.contextmanager
-def recording(cuda_graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
-    """``torch.cuda.graph(cuda_graph, pool=pool)`` inside :func:`capturing`, keeping
-    the allocator's cached memory.
-
-    ``torch.cuda.graph`` empties the caching allocator before every capture.
-    Keys are captured one at a time in the middle of a run, so that would hand
-    the eager calls' cached activations back to the driver at each capture, and
-    the calls after it would allocate them again (``cudaFree`` waits for the
-    device, ``cudaMalloc`` is slow). The graph's private pool does not need that
-    memory back; when it runs short, the capturer empties the cache and tries
-    again before it gives a budget up (:class:`~lightning_cg.capture.GraphCapturer`).
-    """
-    with capturing(), _cache_kept(), torch.cuda.graph(cuda_graph, pool=pool):
-        yield
-
-
-@contextlib.contextmanager
-def _cache_kept() -> Iterator[None]:
-    """``torch.cuda.empty_cache`` does nothing inside (``torch.cuda.graph`` calls it
-    by that name on entering; vLLM's capture does the same)."""
-    empty_cache = torch.cuda.empty_cache
-    torch.cuda.empty_cache = _keep_cache
-    try:
-        yield
-    finally:
-        torch.cuda.empty_cache = empty_cache
-
-
-def _keep_cache() -> None:
-    """Stands in for ``torch.cuda.empty_cache`` while a graph is recorded."""
 
 
 def _end_rng_capture() -> None:

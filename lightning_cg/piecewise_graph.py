@@ -25,7 +25,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from lightning_cg.faults import recording
+from lightning_cg.faults import capturing
 from lightning_cg.piecewise import PiecewiseSplit, PiecewiseUnsupported, Stage
 
 
@@ -210,6 +210,6 @@ def _warm_up(module: fx.GraphModule, args: list[Any]) -> Sequence[Any]:
 
 def _capture(fn: Callable[[], Sequence[Any]], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
     graph = torch.cuda.CUDAGraph()
-    with recording(graph, pool):
+    with capturing(), torch.cuda.graph(graph, pool=pool):
         outputs = fn()
     return graph, outputs
