@@ -13,8 +13,10 @@ lifecycle (runs, clearing, learning budgets) it keeps:
 - :class:`~lightning_cg.capture_policy.CapturePolicy`: whether a key is worth
   capturing now (on demand, once its replays are expected to repay it);
 - :class:`~lightning_cg.capture.GraphCapturer`: capture and fault recovery;
-- :class:`~lightning_cg.compile_policy.CompilePolicy`: with ``compile="auto"``,
-  when the run is expected to repay compiling the graph forward;
+- :class:`~lightning_cg.compiling.CompileLifecycle`: compiled capture
+  (``compile=True`` or ``"auto"``): the compiling wrapper, when ``compile="auto"``
+  starts compiling (:class:`~lightning_cg.compile_policy.CompilePolicy`), the
+  compiled plans, and the uncompiled ones back when compiling is given up;
 - :class:`~lightning_cg.call_runner.CallRunner`: one call, sub-batch by
   sub-batch (routing by :class:`~lightning_cg.routing.Router`, replay by
   :mod:`lightning_cg.replay`: fill, pad, replay, verify);
@@ -28,7 +30,6 @@ pieces, scatter) without capture. The manager knows nothing of Lightning.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -39,20 +40,19 @@ from lightning_cg.cache import GraphCache, GraphSet
 from lightning_cg.call_runner import CallRunner
 from lightning_cg.capture import GraphCapturer, ProgressFn, path_keys
 from lightning_cg.capture_policy import CapturePolicy
-from lightning_cg.compile_policy import COMPILE_SECONDS_PRIOR, CompilePolicy
-from lightning_cg.compiled import compiled_encoder_for
+from lightning_cg.compile_policy import CompilePolicy
+from lightning_cg.compiled import CompiledEncoder
+from lightning_cg.compiling import CompileLifecycle
 from lightning_cg.config import BudgetConfig, GraphConfig
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.outputs import CallOutputs
-from lightning_cg.plan import path_budget_choices, plan_paths, use_ladders
+from lightning_cg.plan import path_budget_choices, plan_paths
 from lightning_cg.replay import autocast_key
 from lightning_cg.stats import GraphStats
 from lightning_cg.weight_casts import WeightCasts, weight_casts_for
 
 __all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
-
-logger = logging.getLogger(__name__)
 
 
 class EncoderGraphManager:
@@ -92,27 +92,11 @@ class EncoderGraphManager:
         # Adapters that build their output from each path's rows in item order
         # skip the per-item split and join (host time per item).
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
-        compile_now = self.config.compile is True
-        #: The compiling wrapper of the adapter (None when nothing may compile).
-        self.compiled_encoder = compiled_encoder_for(
-            encoder, self.config, self._count_compile_seconds, self._compiling_given_up
-        )
-        encoder = self.compiled_encoder or encoder
-        #: When ``compile="auto"`` starts compiling; None when it cannot or has.
-        self.compile_policy = (
-            CompilePolicy(
-                COMPILE_SECONDS_PRIOR[self.compiled_encoder.compiles],
-                repay_runs=self.config.compile_repay_runs,
-            )
-            if self.compiled_encoder is not None and not compile_now
-            else None
-        )
-        self._cuda = torch.cuda.is_available()
-        #: Compiling was given up: the next call restores the uncompiled plans.
-        self._uncompiled_plans_due = False
-        self.encoder = encoder
+        # Built first: the parts below capture its encoder (the compiling wrapper).
+        self.compiling = CompileLifecycle(encoder, self.config, self.stats)
+        encoder = self.encoder = self.compiling.encoder
         self.encoder_config = encoder.graph_config()
-        choices = self._budget_choices = path_budget_choices(self.encoder_config, self.config)
+        choices = path_budget_choices(self.encoder_config, self.config)
         self.paths, max_items = plan_paths(encoder, self.config, choices)
         self.cache = GraphCache()
         weight_casts = weight_casts_for(encoder, self.config.cast_weights_per_run)
@@ -149,8 +133,10 @@ class EncoderGraphManager:
             max_items,
             self.encoder_config.padding_rules,
         )
-        if compile_now:
-            self._use_compiled_plans()
+        # Compiling changes these parts' plans as it starts and ends (compile=True: now).
+        self.compiling.connect(
+            self.paths, choices, self.capturer, self.policy, self.runner, self.clear
+        )
 
     # ------------------------------------------------------------- public API
 
@@ -158,6 +144,16 @@ class EncoderGraphManager:
     def capture_error(self) -> str | None:
         """The capture error that turned every path eager (``capture_errors="eager"``)."""
         return self.capturer.capture_error
+
+    @property
+    def compiled_encoder(self) -> CompiledEncoder | None:
+        """The compiling wrapper of the adapter (None when nothing may compile)."""
+        return self.compiling.compiled_encoder
+
+    @property
+    def compile_policy(self) -> CompilePolicy | None:
+        """When ``compile="auto"`` starts compiling; None when it cannot or has."""
+        return self.compiling.compile_policy
 
     @property
     def weight_casts(self) -> WeightCasts | None:
@@ -192,8 +188,7 @@ class EncoderGraphManager:
         weight copies graphs read to the tower's current weights."""
         self.stats.reset_run()
         self.policy.begin_run(expected_calls)
-        if self.compile_policy is not None:
-            self.compile_policy.begin_run(later_runs)
+        self.compiling.begin_run(later_runs)
         if self.weight_casts is not None:
             # Graphs read the copies: bring them to the weights of this run.
             self.weight_casts.refresh()
@@ -230,65 +225,7 @@ class EncoderGraphManager:
             RuntimeError: nothing may compile (``compile=False``, or a mode
                 without FULL graphs).
         """
-        if self.compiled_encoder is None:
-            raise RuntimeError(
-                f"start_compiling needs compile=True or 'auto' and a FULL mode; got "
-                f"compile={self.config.compile!r}, mode={self.mode.value!r}"
-            )
-        if self.compiled_encoder.started or self.compiled_encoder.compile_error is not None:
-            return
-        self.clear()
-        self.compiled_encoder.start()
-        self.compile_policy = None
-        self._use_compiled_plans()
-
-    def _use_compiled_plans(self) -> None:
-        """Plan for compiled graphs: finer ladders, no weight copies (their dtype
-        would make the compiled code recompile: compiled graphs cast as they
-        run), fused work expected, first replays checked against eager."""
-        self._use_ladders(compiled=True)
-        self.capturer.weight_casts = None
-        self.policy.graphs_fuse_work = True
-        self.runner.on_compiled_mismatch = self._stop_compiling
-
-    def _use_ladders(self, compiled: bool) -> None:
-        """The ladders of compiled graphs (finer) or of uncompiled ones, where one
-        compile serves every budget (dynamic shapes): a budget then costs its
-        capture alone, and padding costs fused work on every replay. Not with
-        measured dispatch, which captures and times a path's whole ladder."""
-        if not (self.compiled_encoder.static_shapes or self.config.dispatch == "measured"):
-            use_ladders(
-                self.encoder,
-                self.paths,
-                self._budget_choices,
-                self.config.max_items_per_batch,
-                compiled,
-            )
-
-    def _stop_compiling(self, reason: str) -> None:
-        """A compiled graph's output differed from eager: drop the compiled graphs
-        now, and capture the adapter's own forward from now on, for good."""
-        self.compiled_encoder.give_up(reason)
-        self.clear()
-
-    def _compiling_given_up(self) -> None:
-        """Graphs are uncompiled from now on (a failed compile, or outputs that
-        differed): nothing to check against eager, no fused work to expect. The
-        uncompiled ladders and weight copies come back at the next call: a
-        failed compile is met inside a capture, where plans must not change."""
-        self.runner.on_compiled_mismatch = None
-        self.policy.graphs_fuse_work = False
-        self._uncompiled_plans_due = True
-
-    def _back_to_uncompiled_plans(self) -> None:
-        """Drop the graphs of the compiled plans; the uncompiled ladders and
-        weight copies serve from now on."""
-        self._uncompiled_plans_due = False
-        self.clear()
-        self._use_ladders(compiled=False)
-        self.capturer.weight_casts = weight_casts_for(
-            self.encoder, self.config.cast_weights_per_run
-        )
+        self.compiling.start()
 
     def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
         """Learn the ladder of every ``auto`` path from a sample of batches.
@@ -352,30 +289,10 @@ class EncoderGraphManager:
         # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
         if torch.is_grad_enabled() or self._sampling(specs):
             return self.runner.run_eagerly(inputs, specs)
-        if self._uncompiled_plans_due:
-            self._back_to_uncompiled_plans()
+        self.compiling.before_call()
         if self.compile_policy is not None:
-            return self._run_weighing_compile(inputs, specs)
+            return self.compiling.run_weighing_compile(inputs, specs)
         return self.runner.run(inputs, specs)
-
-    def _run_weighing_compile(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
-        """A call while ``compile="auto"`` waits: some calls are timed on the GPU,
-        and before a call the run's remaining calls are weighed against the compile."""
-        compile_policy = self.compile_policy
-        policy = self.policy
-        if compile_policy.decide(
-            policy.remaining_calls(), policy.run_calls(), self.stats.capture_seconds
-        ):
-            estimates = compile_policy.estimates()
-            logger.info("compile='auto': compiling the graph forward (%s)", estimates)
-            self.start_compiling()
-            return self.runner.run(inputs, specs)
-        # Only GPU time decides: a tower on the CPU captures no graphs to compile.
-        if not (self._cuda and compile_policy.wants_call_timing()):
-            return self.runner.run(inputs, specs)
-        with self.runner.timer.timed(compile_policy.record_call) as timing:
-            timing.on_cuda = True
-            return self.runner.run(inputs, specs)
 
     def _sampling(self, specs: list[ItemSpec]) -> bool:
         """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
@@ -387,7 +304,3 @@ class EncoderGraphManager:
         self.max_items = max_items
         self.clear()
         return False
-
-    def _count_compile_seconds(self, seconds: float) -> None:
-        self.stats.compile_seconds += seconds
-        self.stats.compile_seconds_run += seconds

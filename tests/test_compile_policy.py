@@ -9,11 +9,11 @@ import torch
 from toy_encoder import ToyEncoder, ToyTower
 
 import lightning_cg.compiled as compiled_module
-import lightning_cg.manager as manager_module
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.budgets import generate_budgets
 from lightning_cg.compile_policy import (
     COMPILE_GAIN_PRIOR,
+    COMPILE_SECONDS_PRIOR,
     MIN_SAMPLES,
     TIMING_STRIDE,
     WINDOW,
@@ -326,8 +326,8 @@ def test_cuda_calls_timed_on_the_gpu_start_the_compile_and_outputs_stay_eager(mo
     # A free compile and a run long enough to repay the captures again: the GPU
     # timings of the first calls alone decide.
     eager_backend(monkeypatch)
-    for compiles in manager_module.COMPILE_SECONDS_PRIOR:
-        monkeypatch.setitem(manager_module.COMPILE_SECONDS_PRIOR, compiles, 0.0)
+    for compiles in COMPILE_SECONDS_PRIOR:
+        monkeypatch.setitem(COMPILE_SECONDS_PRIOR, compiles, 0.0)
     tower = ToyTower().cuda().eval()
     manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use")
     manager.begin_run(expected_calls=10**9)
