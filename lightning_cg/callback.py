@@ -55,8 +55,9 @@ class CUDAGraphCallback(Callback):
     Trainer's teardown moves it to the CPU and back), the values are copied into
     the storage the graphs read (:mod:`lightning_cg.binding`); only a change of
     shape, dtype or device recaptures. A key is captured on demand, once its
-    replays are expected to repay the capture within the run
-    (:mod:`lightning_cg.capture_policy`); until then it runs eagerly.
+    replays are expected to repay the capture, in the rest of the run and in
+    the runs like it expected to follow (``repay_runs``;
+    :mod:`lightning_cg.capture_policy`); until then it runs eagerly.
 
     A capture that runs out of memory keeps the budgets that fit, and a path
     whose tower a graph cannot hold (a host sync such as ``.item()``) runs
@@ -100,18 +101,20 @@ class CUDAGraphCallback(Callback):
             (graphs timed against eager on the first real items; a sub-batch
             runs where it is faster). Measuring needs CUDA.
         compile: capture a ``torch.compile``'d graph forward: ``"auto"`` once the
-            calls ahead (``compile_repay_runs``) are expected to repay the
+            calls ahead (``repay_runs``) are expected to repay the
             compile (:mod:`lightning_cg.compile_policy`), ``True`` from the first capture
             (not with PIECEWISE modes), ``False`` never.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks once, when they hold most of its weights; else the
             whole graph forward), ``blocks`` or ``whole``.
-        compile_repay_runs: ``compile="auto"`` compiles when the rest of the run
-            and this many runs like it in all are expected to repay the compile
-            (1: the current run alone); in a fit, the validation runs still to
-            come count instead when they are more.
-        capture: ``paid_back`` (a key is captured once its expected replays in the
-            run repay the capture) or ``first_use`` (at the first batch that needs it).
+        repay_runs: a key is captured (``capture="paid_back"``), and
+            ``compile="auto"`` compiles, when the rest of the run and this many
+            runs like it in all are expected to repay it: graphs and compiled
+            code outlive the run (1: the current run alone); in a fit, the
+            validation runs still to come count instead when they are more.
+        capture: ``paid_back`` (a key is captured once its expected replays,
+            over ``repay_runs``, repay the capture) or ``first_use`` (at the
+            first batch that needs it).
         min_sightings: sightings of a key before ``paid_back`` may capture it.
         drop_slower_graphs: send a key back to eager when its graph is measured
             slower than its eager runs.
@@ -145,7 +148,7 @@ class CUDAGraphCallback(Callback):
         dispatch: str = "budget",
         compile: bool | str = "auto",
         compile_scope: str = "auto",
-        compile_repay_runs: int = 2,
+        repay_runs: int = 2,
         capture: str = "paid_back",
         min_sightings: int = 2,
         drop_slower_graphs: bool = True,
@@ -172,7 +175,7 @@ class CUDAGraphCallback(Callback):
             dispatch=dispatch,
             compile=compile,
             compile_scope=compile_scope,
-            compile_repay_runs=compile_repay_runs,
+            repay_runs=repay_runs,
             # A capture that fails mid-run turns this rank eager, not the run into an error.
             capture_errors="eager",
             capture=capture,

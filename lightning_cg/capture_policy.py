@@ -8,8 +8,12 @@ once it has been seen ``min_sightings`` times and
     expected further sightings x estimated gain per sighting >= estimated capture cost
 
 where the expected sightings are the key's share of its path's sub-batches so
-far times the sub-batches still expected in the run (when the caller knows how
-many calls the run has; otherwise as many again as so far), the gain is the
+far times the sub-batches of the calls a graph captured now is expected to
+serve (:meth:`CapturePolicy.horizon_calls`): the rest of the run (when the
+caller knows how many calls the run has; otherwise as many again as so far)
+and, as graphs outlive the run, ``repay_runs - 1`` more runs like it, or the
+runs known to follow (a fit's validation runs still to come) when they are
+more. ``compile="auto"`` weighs its compile over the same horizon. The gain is the
 key's eager time minus its estimated graph time, and the capture cost is its
 eager time times the capture/eager ratio measured so far. A graph computes its
 whole budget, eager only the real tokens, and a key's sub-batches differ in
@@ -96,6 +100,8 @@ class CapturePolicy:
         drop_slower_graphs: :meth:`slower_than_eager` may send a key back to eager.
         graphs_fuse_work: graphs run fused kernels (compiled capture), so eager's
             cost per token does not bound theirs.
+        repay_runs: runs like the current one, counting it, over which a capture
+            (and a compile) may be repaid.
 
     Example:
         >>> policy = CapturePolicy(min_sightings=2)
@@ -111,8 +117,10 @@ class CapturePolicy:
         min_sightings: int = 2,
         drop_slower_graphs: bool = True,
         graphs_fuse_work: bool = False,
+        repay_runs: int = 2,
     ) -> None:
         self.first_use = first_use
+        self.repay_runs = repay_runs
         self.min_sightings = min_sightings
         self.drop_slower_graphs = drop_slower_graphs
         self.graphs_fuse_work = graphs_fuse_work
@@ -127,13 +135,16 @@ class CapturePolicy:
         self._calls = 0
         self._run_calls = 0
         self._expected_calls: int | None = None
+        self._later_runs = repay_runs - 1
 
     # ----------------------------------------------------------- observations
 
-    def begin_run(self, expected_calls: int | None) -> None:
-        """A run starts that will call the tower about ``expected_calls`` times (None: unknown)."""
+    def begin_run(self, expected_calls: int | None, later_runs: int | None = None) -> None:
+        """A run starts that will call the tower about ``expected_calls`` times and
+        that ``later_runs`` runs like it are known to follow (None: unknown)."""
         self._expected_calls = expected_calls
         self._run_calls = 0
+        self._later_runs = max(self.repay_runs - 1, later_runs or 0)
 
     def called(self) -> None:
         """The tower was called once."""
@@ -236,14 +247,17 @@ class CapturePolicy:
             return self._run_calls + self.remaining_calls()
         return max(self._expected_calls, self._run_calls)
 
+    def horizon_calls(self) -> int:
+        """Calls a graph captured now is expected to serve: the rest of this run,
+        and the later runs like it (``repay_runs - 1``, or the runs known to
+        follow when more). Fixed per run: it does not grow with the runs made."""
+        return self.remaining_calls() + self._later_runs * self.run_calls()
+
     def _expected_sightings(self, record: _KeyRecord) -> float:
         path_sub_batches = self._path_sub_batches[record.path]
         share = record.sightings / path_sub_batches
-        if self._expected_calls is None:
-            # Nothing known of the future: expect as many sub-batches again.
-            return share * path_sub_batches
         sub_batches_per_call = path_sub_batches / max(self._calls, 1)
-        return share * sub_batches_per_call * self.remaining_calls()
+        return share * sub_batches_per_call * self.horizon_calls()
 
     def _graph_ratio(self, record: _KeyRecord) -> float:
         """Graph / eager time of ``record``'s key at its mean real tokens: measured,

@@ -7,24 +7,24 @@ sessions). The compile costs seconds once per process, and the graphs captured
 until then are captured again over the compiled forward. So
 :class:`CompilePolicy` compiles when
 
-    (remaining calls + (repay_runs - 1) x run calls) x median call time
-        x :data:`COMPILE_GAIN_PRIOR` >= estimated compile seconds + capture seconds so far
+    horizon calls x median call time x :data:`COMPILE_GAIN_PRIOR`
+        >= estimated compile seconds + capture seconds so far
 
 where the call times are the tower's whole calls (graphs and eager), timed on
-the GPU, the remaining calls are those the run still expects and the run calls
-its length (the capture policy's estimates: the Trainer's batch count, or as
-many again as so far). Compiled code outlives the run, and a Trainer's runs
-repeat (``validate`` every epoch, ``predict`` again), so the compile may be
-repaid over ``repay_runs`` runs like the current one, this one included
-(``compile_repay_runs``, 2 by default), or over the runs known to follow
-(a fit's validation runs still to come) when they are more: a long run of
-heavy calls compiles in its first calls and may end slower than eager so that
-the next runs are faster. Short runs, and calls too quick for fusion to matter, stay
-uncompiled. The horizon does not grow with the runs a process has made, so a
-repeated short run does not compile in its third or tenth run. The compile
-seconds are estimated by what is compiled (:data:`COMPILE_SECONDS_PRIOR`,
-measured cold on the H200). The decision is taken once: a process compiles at
-most once. Pure Python: the timings come from the caller.
+the GPU, and the horizon calls are those a graph captured now is expected to
+serve, the capture policy's
+(:meth:`~lightning_cg.capture_policy.CapturePolicy.horizon_calls`): the rest
+of the run, and ``repay_runs - 1`` more runs like it (``repay_runs``, 2 by
+default) or the runs known to follow (a fit's validation runs still to come)
+when they are more. Compiled code, like a graph, outlives the run, and a
+Trainer's runs repeat (``validate`` every epoch, ``predict`` again): a long
+run of heavy calls compiles in its first calls and may end slower than eager
+so that the next runs are faster. Short runs, and calls too quick for fusion
+to matter, stay uncompiled. The horizon does not grow with the runs a process
+has made, so a repeated short run does not compile in its third or tenth run.
+The compile seconds are estimated by what is compiled
+(:data:`COMPILE_SECONDS_PRIOR`, measured cold on the H200). The decision is
+taken once: a process compiles at most once. Pure Python: the timings come from the caller.
 """
 
 from __future__ import annotations
@@ -54,33 +54,24 @@ class CompilePolicy:
     Args:
         compile_seconds: the estimated seconds of the compile.
         gain: the fraction of a call's time compiling is expected to save.
-        repay_runs: runs like the current one, counting it, that may repay the compile.
 
     Example:
         >>> policy = CompilePolicy(compile_seconds=6.0)
         >>> for _ in range(8):
         ...     policy.record_call(0.075)
-        >>> policy.decide(remaining_calls=1000, run_calls=1000, capture_seconds=1.0)
+        >>> policy.decide(horizon_calls=2000, capture_seconds=1.0)
         True
     """
 
-    def __init__(
-        self, compile_seconds: float, gain: float = COMPILE_GAIN_PRIOR, repay_runs: int = 2
-    ) -> None:
+    def __init__(self, compile_seconds: float, gain: float = COMPILE_GAIN_PRIOR) -> None:
         self.compile_seconds = compile_seconds
         self.gain = gain
-        self.repay_runs = repay_runs
-        self._known_later_runs = 0
         #: Whether the policy has decided to compile (it never goes back).
         self.compiling = False
         self._call_seconds: deque[float] = deque(maxlen=WINDOW)
         # decide() runs before every call; the median changes only with a sample.
         self._median: float | None = None
         self._calls = 0
-
-    def begin_run(self, later_runs: int | None) -> None:
-        """A run starts that ``later_runs`` runs like it are known to follow (None: unknown)."""
-        self._known_later_runs = later_runs or 0
 
     def wants_call_timing(self) -> bool:
         """Whether the next call should be timed (counts the call)."""
@@ -94,17 +85,15 @@ class CompilePolicy:
         self._call_seconds.append(seconds)
         self._median = None
 
-    def decide(self, remaining_calls: float, run_calls: float, capture_seconds: float) -> bool:
-        """True once: when the run's ``remaining_calls`` and ``repay_runs - 1``
-        more runs of ``run_calls`` (or the runs known to follow, if more) repay
-        the compile and the recapture of what is captured (``capture_seconds``)."""
+    def decide(self, horizon_calls: float, capture_seconds: float) -> bool:
+        """True once: when the ``horizon_calls`` a graph captured now is expected
+        to serve repay the compile and the recapture of what is captured
+        (``capture_seconds``)."""
         if self.compiling or len(self._call_seconds) < MIN_SAMPLES:
             return False
         if self._median is None:
             self._median = statistics.median(self._call_seconds)
-        later_runs = max(self.repay_runs - 1, self._known_later_runs)
-        expected_calls = remaining_calls + later_runs * run_calls
-        saved = expected_calls * self._median * self.gain
+        saved = horizon_calls * self._median * self.gain
         self.compiling = saved >= self.compile_seconds + capture_seconds
         return self.compiling
 
@@ -115,7 +104,5 @@ class CompilePolicy:
             "timed_calls": timed,
             "call_s": statistics.median(self._call_seconds) if timed else None,
             "gain": self.gain,
-            "repay_runs": self.repay_runs,
-            "known_later_runs": self._known_later_runs,
             "compile_s": self.compile_seconds,
         }

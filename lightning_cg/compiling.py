@@ -43,8 +43,8 @@ class CompileLifecycle:
 
     Args:
         encoder: the adapter around the tower.
-        config: the graph options (``compile`` and ``compile_scope``, ``mode``,
-            ``compile_repay_runs``; ``dispatch``, ``max_items_per_batch`` and
+        config: the graph options (``compile`` and ``compile_scope``, ``mode``;
+            ``dispatch``, ``max_items_per_batch`` and
             ``cast_weights_per_run`` for the plans).
         stats: the counters the compile seconds are added to.
     """
@@ -68,10 +68,7 @@ class CompileLifecycle:
         self.encoder: GraphableEncoder = self.compiled_encoder or encoder
         #: When ``compile="auto"`` starts compiling; None when it cannot or has.
         self.compile_policy = (
-            CompilePolicy(
-                COMPILE_SECONDS_PRIOR[self.compiled_encoder.compiles],
-                repay_runs=config.compile_repay_runs,
-            )
+            CompilePolicy(COMPILE_SECONDS_PRIOR[self.compiled_encoder.compiles])
             if self.compiled_encoder is not None and config.compile is not True
             else None
         )
@@ -95,8 +92,8 @@ class CompileLifecycle:
             paths: the path plans, whose ladders compiled graphs refine.
             budget_choices: each path's budget choice, which the ladders come from.
             capturer: holds the weight copies uncompiled graphs read.
-            capture_policy: told whether graphs fuse work; its run estimates
-                weigh the compile.
+            capture_policy: told whether graphs fuse work; its horizon (the
+                calls a graph would serve) weighs the compile.
             runner: runs the calls, and checks compiled graphs' first replays.
             clear: drops every graph, buffer and the pool (the manager's ``clear``).
         """
@@ -108,12 +105,6 @@ class CompileLifecycle:
         self._clear = clear
         if self.config.compile is True:
             self._use_compiled_plans()
-
-    def begin_run(self, later_runs: int | None) -> None:
-        """A run starts that ``later_runs`` runs like it are known to follow (None:
-        unknown); ``compile="auto"`` may count them to repay the compile."""
-        if self.compile_policy is not None:
-            self.compile_policy.begin_run(later_runs)
 
     def start(self) -> None:
         """Capture the compiled graph forward from now on: drop the uncompiled graphs
@@ -144,12 +135,11 @@ class CompileLifecycle:
 
     def run_weighing_compile(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
         """A call while ``compile="auto"`` waits: some calls are timed on the GPU,
-        and before a call the run's remaining calls are weighed against the compile."""
+        and before a call the calls a graph would serve (the capture policy's
+        horizon) are weighed against the compile."""
         compile_policy = self.compile_policy
-        policy = self._capture_policy
-        if compile_policy.decide(
-            policy.remaining_calls(), policy.run_calls(), self.stats.capture_seconds
-        ):
+        horizon_calls = self._capture_policy.horizon_calls()
+        if compile_policy.decide(horizon_calls, self.stats.capture_seconds):
             estimates = compile_policy.estimates()
             logger.info("compile='auto': compiling the graph forward (%s)", estimates)
             self.start()

@@ -184,15 +184,16 @@ class GraphConfig:
             ``measured`` (a path's whole ladder captured and timed against
             eager on its first real items; graphs only where faster).
         compile: ``auto``: capture a ``torch.compile``'d graph forward once the
-            calls ahead (``compile_repay_runs``) are expected to repay the compile
+            calls ahead (``repay_runs``) are expected to repay the compile
             (:mod:`lightning_cg.compile_policy`; a failed compile falls back to
             the uncompiled forward); ``true``: from the first capture; ``false``: never.
-        compile_repay_runs: ``compile="auto"`` compiles when the run's remaining
-            calls and this many runs like it in all, counting the current one,
-            are expected to repay the compile: compiled code outlives the run,
-            and a Trainer's runs repeat. 1 weighs the current run alone. Runs
-            known to follow (``begin_run``'s ``later_runs``) count instead
-            when they are more.
+        repay_runs: a key is captured (``capture="paid_back"``), and
+            ``compile="auto"`` compiles, when the run's remaining calls and
+            this many runs like it in all, counting the current one, are
+            expected to repay it: graphs and compiled code outlive the run, and
+            a Trainer's runs repeat. 1 weighs the current run alone. Runs known
+            to follow (``begin_run``'s ``later_runs``) count instead when they
+            are more.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks, once for all of them, when they hold most of its
             weights; else the whole graph forward), ``blocks`` or ``whole``
@@ -200,9 +201,9 @@ class GraphConfig:
         capture_errors: ``raise`` a capture error without a known fallback, or
             turn every path ``eager`` from then on.
         capture: ``paid_back``: a key runs eagerly until it has been seen
-            ``min_sightings`` times and its expected replays repay its capture
-            (:mod:`lightning_cg.capture_policy`); ``first_use``: a key is
-            captured the first time a batch needs it.
+            ``min_sightings`` times and its expected replays (over
+            ``repay_runs``) repay its capture (:mod:`lightning_cg.capture_policy`);
+            ``first_use``: a key is captured the first time a batch needs it.
         min_sightings: sightings of a key before ``paid_back`` may capture it.
         drop_slower_graphs: a key whose replays are measured slower than its
             eager runs goes back to eager.
@@ -226,7 +227,7 @@ class GraphConfig:
     dispatch: str = "budget"
     compile: bool | str = "auto"
     compile_scope: str = "auto"
-    compile_repay_runs: int = 2
+    repay_runs: int = 2
     capture_errors: str = "raise"
     capture: str = "paid_back"
     min_sightings: int = 2
@@ -267,13 +268,7 @@ class GraphConfig:
                 f"compile_scope={self.compile_scope!r} says what compile compiles; "
                 "compile is False. Set compile=True or 'auto', or leave compile_scope at 'auto'"
             )
-        _check_positive_int("compile_repay_runs", self.compile_repay_runs)
-        if self.compile_repay_runs != GraphConfig.compile_repay_runs and self.compile != "auto":
-            raise ValueError(
-                f"compile_repay_runs={self.compile_repay_runs!r} says when compile='auto' "
-                f"compiles; compile is {self.compile!r}. Set compile='auto', or leave "
-                f"compile_repay_runs at {GraphConfig.compile_repay_runs}"
-            )
+        _check_positive_int("repay_runs", self.repay_runs)
         _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         _check_positive_int("min_sightings", self.min_sightings)

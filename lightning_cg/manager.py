@@ -107,6 +107,7 @@ class EncoderGraphManager:
             first_use=self.config.capture == "first_use",
             min_sightings=self.config.min_sightings,
             drop_slower_graphs=self.config.drop_slower_graphs,
+            repay_runs=self.config.repay_runs,
         )
         self.auto_ladder = AutoLadder(
             choices,
@@ -182,13 +183,12 @@ class EncoderGraphManager:
 
     def begin_run(self, expected_calls: int | None = None, later_runs: int | None = None) -> None:
         """Start a run: zero the run counters, tell the capture policy how many
-        calls to expect (None: unknown), which bounds what a capture can repay,
-        tell ``compile="auto"`` how many runs like it are known to follow (a
-        fit's validation runs still to come; None: unknown), and bring the
-        weight copies graphs read to the tower's current weights."""
+        calls to expect (None: unknown) and how many runs like it are known to
+        follow (a fit's validation runs still to come; None: unknown), which
+        bound what a capture or the compile can repay, and bring the weight
+        copies graphs read to the tower's current weights."""
         self.stats.reset_run()
-        self.policy.begin_run(expected_calls)
-        self.compiling.begin_run(later_runs)
+        self.policy.begin_run(expected_calls, later_runs)
         if self.weight_casts is not None:
             # Graphs read the copies: bring them to the weights of this run.
             self.weight_casts.refresh()

@@ -70,7 +70,7 @@ class CUDAGraphSchema:
     dispatch: str = "budget"
     compile: Any = "auto"
     compile_scope: str = "auto"
-    compile_repay_runs: int = 2
+    repay_runs: int = 2
     capture: str = "paid_back"
     min_sightings: int = 2
     drop_slower_graphs: Any = True

@@ -56,23 +56,53 @@ def test_a_short_run_does_not_capture_what_it_cannot_repay():
     # Prior: capture costs 5 eager runs, a replay saves half an eager run, so a
     # capture pays after 10 replays.
     assert PRIOR_CAPTURE_RATIO / (1 - PRIOR_GRAPH_RATIO) == 10
-    short = CapturePolicy(min_sightings=2)
+    short = CapturePolicy(min_sightings=2, repay_runs=1)
     short.begin_run(expected_calls=8)
     decisions = [see(short, "a", eager_s=0.01) for _ in range(8)]
     assert CAPTURE not in decisions
-    long = CapturePolicy(min_sightings=2)
+    long = CapturePolicy(min_sightings=2, repay_runs=1)
     long.begin_run(expected_calls=13)
     decisions = [see(long, "a", eager_s=0.01) for _ in range(3)]
     # Second sighting: 11 calls left x 0.005 s saved >= 0.05 s capture.
     assert decisions == [WAIT, CAPTURE, CAPTURE]
 
 
-def test_without_a_horizon_a_key_is_captured_once_its_past_would_have_repaid_it():
+def test_graphs_outlive_the_run_so_a_capture_may_be_repaid_by_later_runs():
+    # repay_runs=2 (the default): a run of 8 and one more like it. Second
+    # sighting: (6 calls left + 8) x 0.005 s >= 0.05 s.
     policy = CapturePolicy(min_sightings=2)
+    policy.begin_run(expected_calls=8)
+    assert policy.horizon_calls() == 16
+    assert [see(policy, "a", eager_s=0.01) for _ in range(2)] == [WAIT, CAPTURE]
+    # A run of 4 and one more like it cannot: (2 + 4) x 0.005 s < 0.05 s.
+    short = CapturePolicy(min_sightings=2)
+    short.begin_run(expected_calls=4)
+    assert CAPTURE not in [see(short, "a", eager_s=0.01) for _ in range(4)]
+
+
+def test_runs_known_to_follow_extend_the_horizon_when_they_are_more():
+    policy = CapturePolicy(min_sightings=2, repay_runs=1)
+    policy.begin_run(expected_calls=4, later_runs=3)  # a fit's validation runs to come
+    assert policy.horizon_calls() == 4 + 3 * 4
+    assert [see(policy, "a", eager_s=0.01) for _ in range(2)] == [WAIT, CAPTURE]
+    policy.begin_run(expected_calls=4, later_runs=0)  # the last one
+    assert policy.horizon_calls() == 4
+    fewer = CapturePolicy(repay_runs=3)
+    fewer.begin_run(expected_calls=4, later_runs=1)
+    assert fewer.horizon_calls() == 4 + 2 * 4
+
+
+def test_without_a_horizon_a_key_is_captured_once_its_past_would_have_repaid_it():
+    policy = CapturePolicy(min_sightings=2, repay_runs=1)
     policy.begin_run(expected_calls=None)
     decisions = [see(policy, "a", eager_s=0.01) for _ in range(10)]
     # As many sightings again as so far: 10 x 0.005 s >= 0.05 s at the tenth.
     assert decisions.index(CAPTURE) == 9
+    # With one later run as long as this one would be (so far and as many
+    # again): 3 x 4 sightings x 0.005 s >= 0.05 s at the fourth.
+    default = CapturePolicy(min_sightings=2)
+    default.begin_run(expected_calls=None)
+    assert [see(default, "a", eager_s=0.01) for _ in range(4)].index(CAPTURE) == 3
 
 
 def test_a_rare_key_among_frequent_ones_waits():
@@ -289,15 +319,34 @@ def test_manager_captures_a_recurring_key_once_the_run_can_repay_it():
         torch.testing.assert_close(output, expected)
 
 
-def test_manager_leaves_a_short_run_eager_and_captures_in_a_later_longer_one():
-    _, manager, inputs, _ = toy_manager(drop_slower_graphs=False)
-    manager.begin_run(expected_calls=10)
-    run_calls(manager, inputs, 10)
-    assert manager.stats.hits == 0 and manager.stats.eager_no_graph_yet == 10
+@pytest.mark.parametrize("repay_runs, calls", [(1, 10), (2, 4)])
+def test_manager_leaves_a_short_run_eager_and_captures_in_a_later_longer_one(repay_runs, calls):
+    # Prior: a capture pays after 10 replays. 10 calls alone, or 4 calls and
+    # one more run of 4, cannot give them.
+    _, manager, inputs, _ = toy_manager(drop_slower_graphs=False, repay_runs=repay_runs)
+    manager.begin_run(expected_calls=calls)
+    run_calls(manager, inputs, calls)
+    assert manager.stats.hits == 0 and manager.stats.eager_no_graph_yet == calls
     assert not manager.is_captured()
     manager.begin_run(expected_calls=100)
     run_calls(manager, inputs, 3)
     assert manager.stats.eager_no_graph_yet == 0 and manager.stats.hits == 3
+
+
+def test_manager_captures_in_a_short_run_that_the_next_run_like_it_repays():
+    # 10 calls and one more run of 10 (repay_runs=2, the default): the graph
+    # captured in the first run serves the second from its first call.
+    _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
+    manager.begin_run(expected_calls=10)
+    outputs = run_calls(manager, inputs, 10)
+    assert manager.is_captured() and 0 < manager.stats.hits < 10
+    graphs = len(manager.cache)
+    manager.begin_run(expected_calls=10)
+    outputs += run_calls(manager, inputs, 10)
+    assert manager.stats.hits == 10 and manager.stats.eager_no_graph_yet == 0
+    assert len(manager.cache) == graphs  # nothing captured in the second run
+    for output in outputs:
+        torch.testing.assert_close(output, expected)
 
 
 def test_manager_sends_a_key_whose_graph_is_slower_back_to_eager():

@@ -32,65 +32,41 @@ def timed(policy: CompilePolicy, seconds: float, calls: int = MIN_SAMPLES) -> Co
 
 def test_nothing_is_decided_before_enough_calls_are_timed():
     policy = timed(CompilePolicy(compile_seconds=1.0), 10.0, calls=MIN_SAMPLES - 1)
-    assert not policy.decide(remaining_calls=10**6, run_calls=10**6, capture_seconds=0.0)
+    assert not policy.decide(horizon_calls=10**6, capture_seconds=0.0)
     policy.record_call(10.0)
-    assert policy.decide(remaining_calls=10**6, run_calls=10**6, capture_seconds=0.0)
+    assert policy.decide(horizon_calls=10**6, capture_seconds=0.0)
 
 
-def one_run(compile_seconds: float, seconds: float, gain: float = 0.25) -> CompilePolicy:
-    """A policy weighing the current run alone, after calls of ``seconds``."""
-    return timed(CompilePolicy(compile_seconds, gain=gain, repay_runs=1), seconds)
+def timed_policy(compile_seconds: float, seconds: float, gain: float = 0.25) -> CompilePolicy:
+    """A policy after calls of ``seconds``."""
+    return timed(CompilePolicy(compile_seconds, gain=gain), seconds)
 
 
-def test_a_run_compiles_when_its_remaining_calls_repay_the_compile():
+def test_the_horizon_compiles_when_its_calls_repay_the_compile():
     # 0.1 s calls save a quarter each: 240 calls repay a 6 s compile.
-    assert not one_run(6.0, 0.1).decide(remaining_calls=239, run_calls=1000, capture_seconds=0.0)
-    assert one_run(6.0, 0.1).decide(remaining_calls=240, run_calls=1000, capture_seconds=0.0)
+    assert not timed_policy(6.0, 0.1).decide(horizon_calls=239, capture_seconds=0.0)
+    assert timed_policy(6.0, 0.1).decide(horizon_calls=240, capture_seconds=0.0)
     # The gain scales what a call saves: at 0.5, 120 calls do.
-    assert one_run(6.0, 0.1, gain=0.5).decide(120, run_calls=1000, capture_seconds=0.0)
-
-
-def test_later_runs_like_this_one_repay_the_compile_too():
-    # 40 calls left of a run of 200: with one more such run, 240 calls.
-    def decides(repay_runs: int) -> bool:
-        policy = timed(CompilePolicy(6.0, gain=0.25, repay_runs=repay_runs), 0.1)
-        return policy.decide(remaining_calls=40, run_calls=200, capture_seconds=0.0)
-
-    assert not decides(repay_runs=1)
-    assert decides(repay_runs=2)
-    assert CompilePolicy(6.0).repay_runs == 2  # the default
+    assert timed_policy(6.0, 0.1, gain=0.5).decide(120, capture_seconds=0.0)
     assert CompilePolicy(6.0).gain == COMPILE_GAIN_PRIOR
 
 
-def test_runs_known_to_follow_count_when_they_are_more():
-    # Validation runs of 20 calls of 0.1 s, a quarter saved: 240 calls repay 6 s.
-    def decides(later_runs: int | None) -> bool:
-        policy = timed(CompilePolicy(6.0, gain=0.25, repay_runs=2), 0.1)
-        policy.begin_run(later_runs)
-        return policy.decide(remaining_calls=20, run_calls=20, capture_seconds=0.0)
-
-    assert not decides(later_runs=None)  # this run and one more: 40 calls
-    assert not decides(later_runs=0)  # never fewer runs than compile_repay_runs
-    assert not decides(later_runs=9)  # 200 calls
-    assert decides(later_runs=15)  # 320 calls
-
-
 def test_graphs_to_capture_again_raise_the_bar():
-    policy = one_run(6.0, 0.1)
-    assert not policy.decide(remaining_calls=240, run_calls=1000, capture_seconds=1.0)
-    assert policy.decide(remaining_calls=280, run_calls=1000, capture_seconds=1.0)
+    policy = timed_policy(6.0, 0.1)
+    assert not policy.decide(horizon_calls=240, capture_seconds=1.0)
+    assert policy.decide(horizon_calls=280, capture_seconds=1.0)
 
 
 def test_quick_calls_never_compile_in_a_run_of_known_length():
     policy = timed(CompilePolicy(6.0), 0.001)  # 1 ms calls: 20,000 calls repay
-    assert not policy.decide(remaining_calls=4_000, run_calls=4_000, capture_seconds=0.0)
+    assert not policy.decide(horizon_calls=8_000, capture_seconds=0.0)
 
 
 def test_the_decision_is_taken_once_and_timing_stops():
     policy = timed(CompilePolicy(6.0), 1.0)
-    assert policy.decide(remaining_calls=100, run_calls=100, capture_seconds=0.0)
+    assert policy.decide(horizon_calls=100, capture_seconds=0.0)
     assert policy.compiling
-    assert not policy.decide(remaining_calls=100, run_calls=100, capture_seconds=0.0)
+    assert not policy.decide(horizon_calls=100, capture_seconds=0.0)
     assert not policy.wants_call_timing()
 
 
@@ -109,7 +85,7 @@ def test_recent_calls_decide():
     # Heavy calls of an earlier run, then quick ones: the window forgets the former.
     policy = timed(CompilePolicy(6.0), 1.0, calls=WINDOW)
     timed(policy, 0.001, calls=WINDOW)
-    assert not policy.decide(remaining_calls=1000, run_calls=1000, capture_seconds=0.0)
+    assert not policy.decide(horizon_calls=2000, capture_seconds=0.0)
 
 
 # ------------------------------------------------------------- the manager
@@ -173,16 +149,26 @@ def test_a_short_run_stays_uncompiled(monkeypatch):
 
 
 @pytest.mark.parametrize("repay_runs, compiles", [(1, False), (2, True)])
-def test_compile_repay_runs_counts_later_runs_like_this_one(monkeypatch, repay_runs, compiles):
+def test_repay_runs_counts_later_runs_like_this_one(monkeypatch, repay_runs, compiles):
     eager_backend(monkeypatch)
     tower = ToyTower().eval()
-    manager = EncoderGraphManager(
-        ToyEncoder(tower), capture="first_use", compile_repay_runs=repay_runs
-    )
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", repay_runs=repay_runs)
     # The toy's whole dynamic forward: a 45 s compile. 12 calls x 3 s saved:
     # 36 s in this run, 72 s with one more like it.
     assert manager.compile_policy.compile_seconds == 45.0
     manager.begin_run(expected_calls=12)
+    timed(manager.compile_policy, 10.0)
+    calls(manager, tower, 2)
+    assert manager.compiled_encoder.started is compiles
+
+
+@pytest.mark.parametrize("later_runs, compiles", [(None, False), (0, False), (3, True)])
+def test_runs_known_to_follow_count_when_they_are_more(monkeypatch, later_runs, compiles):
+    eager_backend(monkeypatch)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", repay_runs=1)
+    # 12 calls x 3 s saved: 36 s in this run, 144 s with 3 more like it (45 s compile).
+    manager.begin_run(expected_calls=12, later_runs=later_runs)
     timed(manager.compile_policy, 10.0)
     calls(manager, tower, 2)
     assert manager.compiled_encoder.started is compiles
