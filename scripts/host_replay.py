@@ -3,6 +3,7 @@
     python scripts/host_replay.py                   # table: batched / packed, batch 1 and 8
     python scripts/host_replay.py --profile packed8 # cProfile of the timed passes of one case
     python scripts/host_replay.py --profile packed8 --sort cumulative
+    python scripts/host_replay.py --idle-gpu        # CUDA: no time waiting for the GPU
 
 Every key is captured at first use (prepared on CPU), then each graph's run is
 replaced by one returning its output buffer, so what is timed is the manager's
@@ -80,8 +81,10 @@ def packed_case(batch_size: int, calls: int, patch_size: int):
     return manager, calls_args
 
 
-def run_pass(manager, calls_args):
+def run_pass(manager, calls_args, idle_gpu: bool = False):
     for args, kwargs in calls_args:
+        if idle_gpu:
+            torch.cuda.synchronize()
         manager.execute(manager.encoder.inputs_from_call(args, kwargs))
 
 
@@ -91,9 +94,12 @@ def skip_forward(manager) -> None:
         graph.run = lambda output=output: output
 
 
-def measure(manager, calls_args, passes: int, no_forward: bool, profiler=None):
+def measure(
+    manager, calls_args, passes: int, no_forward: bool, profiler=None, idle_gpu: bool = False
+):
     """Host us per replay of each timed pass, without and with the launch (the
-    first two passes capture and warm up)."""
+    first two passes capture and warm up); with ``idle_gpu``, the GPU has
+    finished the earlier calls' work when a call starts."""
     per_pass = []
     with torch.inference_mode():
         run_pass(manager, calls_args)  # captures every key
@@ -106,7 +112,7 @@ def measure(manager, calls_args, passes: int, no_forward: bool, profiler=None):
             manager.reset_stats()
             if profiler is not None:
                 profiler.enable()
-            run_pass(manager, calls_args)
+            run_pass(manager, calls_args, idle_gpu)
             if profiler is not None:
                 profiler.disable()
             stats = manager.stats
@@ -141,7 +147,16 @@ def main() -> None:
         help="count the thread's CPU time, not wall time (steadier on a shared CPU; "
         "on a GPU host it hides time blocked in launches)",
     )
+    parser.add_argument(
+        "--idle-gpu",
+        action="store_true",
+        help="synchronize before each call, so that no figure counts time the host "
+        "waits for the GPU's earlier work (a staging buffer still being read, a "
+        "full launch queue): the manager's own work alone (CUDA only)",
+    )
     args = parser.parse_args()
+    if args.idle_gpu and DEVICE.type != "cuda":
+        parser.error("--idle-gpu needs CUDA")
     if args.thread_clock:
         import types
 
@@ -153,16 +168,19 @@ def main() -> None:
     if args.profile:
         manager, calls_args = CASES[args.profile]()
         profiler = cProfile.Profile()
-        measure(manager, calls_args, args.passes, args.no_forward, profiler)
+        measure(manager, calls_args, args.passes, args.no_forward, profiler, args.idle_gpu)
         pstats.Stats(profiler, stream=sys.stdout).sort_stats(args.sort).print_stats(30)
         return
     clock = "thread CPU time" if args.thread_clock else "wall time"
-    print(f"device {DEVICE}, forward {'skipped' if args.no_forward else 'replayed'}, {clock}")
+    idle = ", GPU idle at each call" if args.idle_gpu else ""
+    print(f"device {DEVICE}, forward {'skipped' if args.no_forward else 'replayed'}, {clock}{idle}")
     for name, build in CASES.items():
         per_pass = []
         for _ in range(args.repeats):
             manager, calls_args = build()
-            passes, hits = measure(manager, calls_args, args.passes, args.no_forward)
+            passes, hits = measure(
+                manager, calls_args, args.passes, args.no_forward, idle_gpu=args.idle_gpu
+            )
             per_pass += passes
         print(f"{name:10s} us/replay over {len(per_pass)} passes of {hits} replays:")
         own, host = (sorted(column) for column in zip(*per_pass, strict=True))
