@@ -140,7 +140,7 @@ class CompileLifecycle:
         compile_policy = self.compile_policy
         horizon_calls = self._capture_policy.horizon_calls()
         if compile_policy.decide(horizon_calls, self.stats.capture_seconds):
-            estimates = compile_policy.estimates()
+            estimates = compile_policy.estimates() | {"horizon_calls": horizon_calls}
             logger.info("compile='auto': compiling the graph forward (%s)", estimates)
             self.start()
             return self._runner.run(inputs, specs)
