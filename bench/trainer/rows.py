@@ -66,22 +66,31 @@ _RUNS = {
 
 
 def predict_rows(
-    workload: str, batches: int, images: int, results: Mapping[str, Mapping[str, PredictRun]]
+    workload: str,
+    batches: int,
+    images: int,
+    repeats: Mapping[str, Sequence[Mapping[str, PredictRun]]],
 ) -> list[dict[str, Any]]:
-    """One row per run in ``results``: per method, its runs by name (``first``, ``second``, ...).
+    """One row per run name (``first``, ``second``, ...), from each method's
+    median repeat (:func:`median_runs`); with more than one repeat, the row
+    lists every repeat's seconds too (:func:`repeat_fields`).
 
     Args:
         workload: the workload's name.
         batches: batches of each run.
         images: images of each run.
-        results: per method, what :func:`~bench.trainer.runs.predict_runs` returned.
+        repeats: per method, what :func:`~bench.trainer.runs.predict_runs`
+            returned, once per repeat.
     """
+    results = {method: median_runs(runs) for method, runs in repeats.items()}
+    several = len(next(iter(repeats.values()))) > 1
     rows = []
     for name in next(iter(results.values())):
         run, trainer = _RUNS[name]
         by_method = {method: runs[name] for method, runs in results.items()}
         row = _predict_row(_empty_row(workload, batches, run), by_method)
-        rows.append(row | {"trainer": trainer, "images": images})
+        row |= {"trainer": trainer, "images": images}
+        rows.append(row | repeat_fields(repeats, name) if several else row)
     return rows
 
 

@@ -18,11 +18,9 @@ from torch import nn
 from bench.trainer.rows import (
     describe,
     fit_row,
-    median_runs,
     merge_rows,
     predict_rows,
     read_rows,
-    repeat_fields,
     write_json,
 )
 from bench.trainer.runs import (
@@ -118,12 +116,7 @@ def _predict(
                 predict_runs(tower, batches, method, settings.trainer, settings.fresh_trainer)
             )
             release(method)
-    results = {method: median_runs(runs) for method, runs in repeats.items()}
-    rows = predict_rows(workload.name, count, batches.images(), results)
-    if settings.repeats == 1:
-        return rows
-    names = list(results[settings.methods[0]])
-    return [row | repeat_fields(repeats, name) for row, name in zip(rows, names, strict=True)]
+    return predict_rows(workload.name, count, batches.images(), repeats)
 
 
 def _fit(workload: Workload, tower: nn.Module, settings: BenchSettings) -> dict[str, Any]:
