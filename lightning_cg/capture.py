@@ -88,6 +88,8 @@ class GraphCapturer:
         self.encoder = encoder
         self.weight_casts = weight_casts
         self._casts_disagree = False
+        # The dtypes whose copies a warm-up found to agree with autocast.
+        self._casts_agree: set[torch.dtype] = set()
         self.config = config
         self.plans = plans
         self.cache = cache
@@ -233,13 +235,22 @@ class GraphCapturer:
         return cuda_graph, output
 
     def _warm_up(self, path: str, buffers: dict[str, torch.Tensor]) -> torch.dtype | None:
-        """Two warm-up forwards, the second with the weight copies when they may
-        serve; the autocast dtype to capture with copies, or None if they disagree."""
-        reference = self.encoder.graph_forward(path, buffers)
+        """One warm-up forward, with the weight copies when they may serve; the
+        autocast dtype to capture with copies, or None.
+
+        The first capture with copies of a dtype runs a second forward without
+        them and keeps the copies only if the two agree; later captures trust
+        that (the same weights and ops, another budget) and warm up once.
+        """
         dtype = self._cast_dtype()
         if dtype is None:
             self.encoder.graph_forward(path, buffers)
             return None
+        if dtype in self._casts_agree:
+            with self._casts_in(dtype):
+                self.encoder.graph_forward(path, buffers)
+            return dtype
+        reference = self.encoder.graph_forward(path, buffers)
         try:
             with self._casts_in(dtype):
                 trial = self.encoder.graph_forward(path, buffers)
@@ -249,6 +260,7 @@ class GraphCapturer:
             return self._refuse_casts(f"the forward with them fails ({error})")
         if not WeightCasts.agree(trial, reference, CAST_TOLERANCE):
             return self._refuse_casts("the forward with them differs from autocast's")
+        self._casts_agree.add(dtype)
         return dtype
 
     def _refuse_casts(self, why: str) -> None:

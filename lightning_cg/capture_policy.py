@@ -13,27 +13,37 @@ serve (:meth:`CapturePolicy.horizon_calls`): the rest of the run (when the
 caller knows how many calls the run has; otherwise as many again as so far)
 and, as graphs outlive the run, ``repay_runs - 1`` more runs like it, or the
 runs known to follow (a fit's validation runs still to come) when they are
-more. ``compile="auto"`` weighs its compile over the same horizon. The gain is the
-key's eager time minus its estimated graph time, and the capture cost is its
-eager time times the capture/eager ratio measured so far. A graph computes its
-whole budget, eager only the real tokens, and a key's sub-batches differ in
-real tokens: its eager time is the measured eager time per real token times
-the mean real tokens of its sightings, and its graph time, until measured, is
-the eager time of its whole budget times the graph's cost per padded token
-relative to eager's per real token, measured on the nearest-sized captured key
-of its path. Before any graph of the path is measured, the path's eager calls
-of different sizes tell launch cost from GPU work: fitted as ``fixed + per_token
-x tokens``, a graph is expected to cost ``per_token x budget`` (it removes the
-launches, not the work, and computes its padding); with too few sizes to fit,
-:data:`PRIOR_GRAPH_RATIO` per padded token stands in. So a key whose
-sub-batches fill the GPU and are partly padding is not captured, while one
-whose eager time is mostly launches is. A path whose sub-batches differ in
-real tokens waits for that fit before its first capture (for at most
-:data:`FIT_PATIENCE` timed eager calls), even while they all need one key.
-Compiled graphs (``graphs_fuse_work``) are the exception: inductor fuses the
-tower's kernels, so a graph may do less work than eager and the line does not
-bound it; the prior stands in until a graph of the path is measured.
-Before anything is measured, :data:`PRIOR_GRAPH_RATIO` and :data:`PRIOR_CAPTURE_RATIO` stand in.
+more. ``compile="auto"`` weighs its compile over the same horizon.
+
+A capture repaid over later runs makes the current one slower, so a run also
+keeps an allowance: a key is captured only when what its capture costs beyond
+what it repays in the rest of this run fits within :data:`RUN_SLACK` of the
+run's estimated eager time, plus what this run's graphs have saved, less what
+its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is not
+made slower than eager by more than that, by these estimates, and a key that
+short runs cannot afford stays eager in them.
+
+The gain is the key's eager time minus its estimated graph time, and the
+capture cost is its eager time times the capture/eager ratio measured so far. A
+graph computes its whole budget, eager only the real tokens, and a key's
+sub-batches differ in real tokens: its eager time is the measured eager time
+per real token times the mean real tokens of its sightings, and its graph time,
+until measured, is the eager time of its whole budget times the graph's cost
+per padded token relative to eager's per real token, measured on the
+nearest-sized captured key of its path. Before any graph of the path is
+measured, the path's eager calls of different sizes tell launch cost from GPU
+work: fitted as ``fixed + per_token x tokens``, a graph is expected to cost
+``per_token x budget`` (it removes the launches, not the work, and computes its
+padding); with too few sizes to fit, :data:`PRIOR_GRAPH_RATIO` per padded token
+stands in. So a key whose sub-batches fill the GPU and are partly padding is
+not captured, while one whose eager time is mostly launches is. A path whose
+sub-batches differ in real tokens waits for that fit before its first capture
+(for at most :data:`FIT_PATIENCE` timed eager calls), even while they all need
+one key. Compiled graphs (``graphs_fuse_work``) are the exception: inductor
+fuses the tower's kernels, so a graph may do less work than eager and the line
+does not bound it; the prior stands in until a graph of the path is measured.
+Before anything is measured, :data:`PRIOR_GRAPH_RATIO` and
+:data:`PRIOR_CAPTURE_RATIO` stand in.
 
 After capture a key's replays are timed too; a graph measured slower than the
 key's eager runs sends the key back to eager. Timings come from the caller
@@ -58,6 +68,9 @@ SAMPLES = 3
 PATH_SAMPLES = 32
 #: Eager calls after which a path whose sizes vary stops waiting for the fit.
 FIT_PATIENCE = 8
+#: The share of a run's estimated eager time that captures repaid only by
+#: later runs may cost the run (see :meth:`CapturePolicy.run_allowance`).
+RUN_SLACK = 0.03
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
@@ -68,6 +81,9 @@ class _KeyRecord:
     path: str
     size: int
     sightings: int = 0
+    #: Sightings in the current run, and of those the ones served by its graph.
+    run_sightings: int = 0
+    run_replays: int = 0
     real_tokens: int = 0
     eager_seconds_per_token: list[float] = field(default_factory=list)
     graph_seconds: list[float] = field(default_factory=list)
@@ -125,7 +141,6 @@ class CapturePolicy:
         self.drop_slower_graphs = drop_slower_graphs
         self.graphs_fuse_work = graphs_fuse_work
         self._keys: dict[Hashable, _KeyRecord] = {}
-        self._path_sub_batches: dict[str, int] = {}
         # Up to two real-token counts per path: two tell that its sizes vary.
         self._path_token_counts: dict[str, set[int]] = {}
         self._path_eager_calls: dict[str, list[tuple[int, float]]] = {}
@@ -134,6 +149,7 @@ class CapturePolicy:
         self._fitted_lines: dict[str, tuple[int, tuple[float, float] | None]] = {}
         self._calls = 0
         self._run_calls = 0
+        self._run_capture_seconds = 0.0
         self._expected_calls: int | None = None
         self._later_runs = repay_runs - 1
 
@@ -144,6 +160,9 @@ class CapturePolicy:
         that ``later_runs`` runs like it are known to follow (None: unknown)."""
         self._expected_calls = expected_calls
         self._run_calls = 0
+        self._run_capture_seconds = 0.0
+        for record in self._keys.values():
+            record.run_sightings = record.run_replays = 0
         self._later_runs = max(self.repay_runs - 1, later_runs or 0)
 
     def called(self) -> None:
@@ -156,8 +175,10 @@ class CapturePolicy:
         of ``size`` tokens), whether or not the key has a graph yet."""
         record = self._keys.setdefault(key, _KeyRecord(path, size))
         record.sightings += 1
+        record.run_sightings += 1
+        # A key with a measured capture has a graph (forget_graphs clears it).
+        record.run_replays += record.capture_seconds is not None
         record.real_tokens += tokens
-        self._path_sub_batches[path] = self._path_sub_batches.get(path, 0) + 1
         counts = self._path_token_counts.setdefault(path, set())
         if len(counts) < 2:
             counts.add(tokens)
@@ -187,11 +208,13 @@ class CapturePolicy:
         """One replay of ``key``'s graph took ``seconds``."""
         self._keys[key].graph_seconds.append(seconds)
 
-    def record_capture(self, key: Hashable, seconds: float) -> None:
-        """Capturing ``key`` took ``seconds`` (ignored for a key never sighted)."""
+    def record_capture(self, key: Hashable, seconds: float, keys: int = 1) -> None:
+        """Capturing ``keys`` keys for ``key`` took ``seconds``: ``key``'s capture
+        cost is their mean (ignored for a key never sighted); the run paid all of it."""
+        self._run_capture_seconds += seconds
         record = self._keys.get(key)
         if record is not None:
-            record.capture_seconds = seconds
+            record.capture_seconds = seconds / max(keys, 1)
 
     def forget_graphs(self) -> None:
         """The graphs are gone (recaptured later): keep sightings and eager times only."""
@@ -214,7 +237,11 @@ class CapturePolicy:
         if gain <= 0:
             return NO_GAIN
         cost = record.eager * self._capture_ratio(record.path)
-        return CAPTURE if self._expected_sightings(record) * gain >= cost else WAIT
+        if self._expected_sightings(record) * gain < cost:
+            return WAIT
+        # The part of the cost that only later runs repay must fit this run's allowance.
+        unpaid = cost - self._sightings_per_call(record) * self.remaining_calls() * gain
+        return CAPTURE if unpaid <= self.run_allowance() else WAIT
 
     def slower_than_eager(self, key: Hashable) -> bool:
         """Whether ``key``'s graph was measured slower than its eager runs."""
@@ -253,11 +280,29 @@ class CapturePolicy:
         follow when more). Fixed per run: it does not grow with the runs made."""
         return self.remaining_calls() + self._later_runs * self.run_calls()
 
+    def run_allowance(self) -> float:
+        """Seconds captures may still cost this run beyond what they repay in it:
+        :data:`RUN_SLACK` of the run's estimated eager time (the eager time of its
+        sub-batches so far, scaled to :meth:`run_calls`), plus the seconds its
+        replays saved, less its capture seconds. Sub-batches of keys without an
+        eager timing count for nothing, which errs on the side of eager."""
+        eager_so_far = saved = 0.0
+        for record in self._keys.values():
+            eager = record.eager
+            if eager is None or not record.run_sightings:
+                continue
+            eager_so_far += eager * record.run_sightings
+            if record.run_replays:
+                saved += record.run_replays * eager * (1.0 - self._graph_ratio(record))
+        run_eager = eager_so_far * self.run_calls() / max(self._run_calls, 1)
+        return RUN_SLACK * run_eager + saved - self._run_capture_seconds
+
     def _expected_sightings(self, record: _KeyRecord) -> float:
-        path_sub_batches = self._path_sub_batches[record.path]
-        share = record.sightings / path_sub_batches
-        sub_batches_per_call = path_sub_batches / max(self._calls, 1)
-        return share * sub_batches_per_call * self.horizon_calls()
+        return self._sightings_per_call(record) * self.horizon_calls()
+
+    def _sightings_per_call(self, record: _KeyRecord) -> float:
+        """The key's sightings per call so far, over every run."""
+        return record.sightings / max(self._calls, 1)
 
     def _graph_ratio(self, record: _KeyRecord) -> float:
         """Graph / eager time of ``record``'s key at its mean real tokens: measured,

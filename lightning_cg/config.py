@@ -202,7 +202,8 @@ class GraphConfig:
             turn every path ``eager`` from then on.
         capture: ``paid_back``: a key runs eagerly until it has been seen
             ``min_sightings`` times and its expected replays (over
-            ``repay_runs``) repay its capture (:mod:`lightning_cg.capture_policy`);
+            ``repay_runs``) repay its capture, within what the current run
+            can afford (:mod:`lightning_cg.capture_policy`);
             ``first_use``: a key is captured the first time a batch needs it.
         min_sightings: sightings of a key before ``paid_back`` may capture it.
         drop_slower_graphs: a key whose replays are measured slower than its

@@ -239,7 +239,7 @@ class Router:
         # A compiled forward compiles at a path's first capture (with static
         # shapes, also at a new budget's): paid once, not by each further key.
         seconds -= self.stats.compile_seconds - compile_before
-        self.policy.record_capture(key, seconds / max(len(keys), 1))
+        self.policy.record_capture(key, seconds, keys=len(keys))
 
     def _measured_route(
         self, key: GraphKey, graph: CapturedGraph, sub_batch: SubBatch, tokens: list[int]

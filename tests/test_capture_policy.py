@@ -12,6 +12,7 @@ from lightning_cg.capture_policy import (
     NO_GAIN,
     PRIOR_CAPTURE_RATIO,
     PRIOR_GRAPH_RATIO,
+    RUN_SLACK,
     SAMPLES,
     WAIT,
     CapturePolicy,
@@ -68,23 +69,76 @@ def test_a_short_run_does_not_capture_what_it_cannot_repay():
 
 
 def test_graphs_outlive_the_run_so_a_capture_may_be_repaid_by_later_runs():
-    # repay_runs=2 (the default): a run of 8 and one more like it. Second
-    # sighting: (6 calls left + 8) x 0.005 s >= 0.05 s.
+    # repay_runs=2 (the default): a run of 8 and one more like it.
     policy = CapturePolicy(min_sightings=2)
     policy.begin_run(expected_calls=8)
     assert policy.horizon_calls() == 16
-    assert [see(policy, "a", eager_s=0.01) for _ in range(2)] == [WAIT, CAPTURE]
-    # A run of 4 and one more like it cannot: (2 + 4) x 0.005 s < 0.05 s.
-    short = CapturePolicy(min_sightings=2)
-    short.begin_run(expected_calls=4)
-    assert CAPTURE not in [see(short, "a", eager_s=0.01) for _ in range(4)]
+    see(policy, "a", eager_s=0.01)
+    # First sighting: 7 calls left + 8, once per call.
+    assert policy.estimates("a")["expected_sightings"] == 7 + 8
+    fewer = CapturePolicy(min_sightings=2)
+    fewer.begin_run(expected_calls=4)
+    see(fewer, "a", eager_s=0.01)
+    assert fewer.estimates("a")["expected_sightings"] == 3 + 4
+
+
+def test_a_run_captures_what_later_runs_repay_only_within_its_allowance():
+    # A run of 8 and one more like it repay a capture of "a" ((6 + 8) x 0.005 s
+    # >= 0.05 s), but this run would pay 0.05 - 6 x 0.005 = 0.02 s of it, more
+    # than RUN_SLACK of its 8 x 0.01 s eager: it stays eager.
+    assert 0.02 > RUN_SLACK * 0.08
+    policy = CapturePolicy(min_sightings=2)
+    policy.begin_run(expected_calls=8)
+    assert CAPTURE not in [see(policy, "a", eager_s=0.01) for _ in range(8)]
+
+
+@pytest.mark.parametrize("replays_of_b, captured_at", [(False, None), (True, 1)])
+def test_what_a_runs_graphs_save_funds_captures_that_later_runs_repay(replays_of_b, captured_at):
+    # "b" was captured in an earlier run, at 3 eager runs (the path's capture ratio).
+    policy = CapturePolicy(min_sightings=2, drop_slower_graphs=False)
+    policy.begin_run(expected_calls=8)
+    see(policy, "b", eager_s=0.01)
+    policy.record_capture("b", 0.03)
+    policy.begin_run(expected_calls=8)
+    decisions = []
+    for _ in range(8):
+        policy.called()
+        if replays_of_b:
+            policy.sighted("b", "local", 64, 64)
+        policy.sighted("a", "local", 64, 64)
+        if policy.wants_eager_timing("a"):
+            policy.record_eager("a", 0.01, 64)
+        decisions.append(policy.decide("a"))
+    # Second sighting of "a": (2/3 x 6) x 0.005 s of its 0.03 s repaid in this
+    # run; the 0.01 s left exceeds RUN_SLACK of the run's eager time alone,
+    # not with the 2 x 0.005 s that the replays of "b" saved.
+    index = decisions.index(CAPTURE) if CAPTURE in decisions else None
+    assert index == captured_at
+
+
+def test_the_run_allowance_counts_eager_time_savings_and_captures_of_this_run_only():
+    policy = CapturePolicy(min_sightings=2, drop_slower_graphs=False)
+    policy.begin_run(expected_calls=10)
+    for _ in range(5):
+        see(policy, "a", eager_s=0.01)
+    # 5 calls of 0.01 s so far, scaled to 10: RUN_SLACK x 0.1 s.
+    assert policy.run_allowance() == pytest.approx(RUN_SLACK * 0.1)
+    policy.record_capture("a", 0.02)
+    see(policy, "a")  # a replay: saves half of 0.01 s (the prior graph ratio)
+    expected = RUN_SLACK * (0.06 * 10 / 6) + 0.005 * (1 - PRIOR_GRAPH_RATIO) / 0.5 - 0.02
+    assert policy.run_allowance() == pytest.approx(expected)
+    # A new run starts from its own eager time, with nothing saved or spent yet.
+    policy.begin_run(expected_calls=10)
+    see(policy, "a")
+    assert policy.run_allowance() == pytest.approx(RUN_SLACK * 0.1 + 0.005)
 
 
 def test_runs_known_to_follow_extend_the_horizon_when_they_are_more():
     policy = CapturePolicy(min_sightings=2, repay_runs=1)
     policy.begin_run(expected_calls=4, later_runs=3)  # a fit's validation runs to come
     assert policy.horizon_calls() == 4 + 3 * 4
-    assert [see(policy, "a", eager_s=0.01) for _ in range(2)] == [WAIT, CAPTURE]
+    see(policy, "a", eager_s=0.01)
+    assert policy.estimates("a")["expected_sightings"] == 3 + 3 * 4
     policy.begin_run(expected_calls=4, later_runs=0)  # the last one
     assert policy.horizon_calls() == 4
     fewer = CapturePolicy(repay_runs=3)
@@ -98,11 +152,13 @@ def test_without_a_horizon_a_key_is_captured_once_its_past_would_have_repaid_it(
     decisions = [see(policy, "a", eager_s=0.01) for _ in range(10)]
     # As many sightings again as so far: 10 x 0.005 s >= 0.05 s at the tenth.
     assert decisions.index(CAPTURE) == 9
-    # With one later run as long as this one would be (so far and as many
-    # again): 3 x 4 sightings x 0.005 s >= 0.05 s at the fourth.
+    # One later run as long as this one would be (so far and as many again)
+    # repays it from the fourth sighting (3 x 4 x 0.005 s >= 0.05 s), but this
+    # run's allowance (RUN_SLACK of 0.02 s per sighting so far) covers the
+    # unpaid 0.05 - k x 0.005 s only from the ninth.
     default = CapturePolicy(min_sightings=2)
     default.begin_run(expected_calls=None)
-    assert [see(default, "a", eager_s=0.01) for _ in range(4)].index(CAPTURE) == 3
+    assert [see(default, "a", eager_s=0.01) for _ in range(10)].index(CAPTURE) == 8
 
 
 def test_a_rare_key_among_frequent_ones_waits():
@@ -333,18 +389,24 @@ def test_manager_leaves_a_short_run_eager_and_captures_in_a_later_longer_one(rep
     assert manager.stats.eager_no_graph_yet == 0 and manager.stats.hits == 3
 
 
-def test_manager_captures_in_a_short_run_that_the_next_run_like_it_repays():
-    # 10 calls and one more run of 10 (repay_runs=2, the default): the graph
-    # captured in the first run serves the second from its first call.
+def test_manager_leaves_eager_a_short_run_that_only_the_next_run_would_repay():
+    # Prior: a capture costs 5 eager runs and saves a third of one per replay
+    # (12 real tokens in a budget of 16). In 10 calls and one more run of 10 it
+    # would pay, but the first run would carry most of it: both runs stay eager.
     _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
-    manager.begin_run(expected_calls=10)
-    outputs = run_calls(manager, inputs, 10)
-    assert manager.is_captured() and 0 < manager.stats.hits < 10
-    graphs = len(manager.cache)
+    for _ in range(2):
+        manager.begin_run(expected_calls=10)
+        outputs = run_calls(manager, inputs, 10)
+        assert manager.stats.hits == 0 and manager.stats.eager_no_graph_yet == 10
+    assert not manager.is_captured()
+    # A run of 20 repays it itself (19 calls left x a third >= 5): it captures
+    # at its first call (the key was seen before), and the next run captures nothing.
+    manager.begin_run(expected_calls=20)
+    outputs += run_calls(manager, inputs, 20)
+    assert manager.stats.hits == 20 and len(manager.cache) == 1
     manager.begin_run(expected_calls=10)
     outputs += run_calls(manager, inputs, 10)
-    assert manager.stats.hits == 10 and manager.stats.eager_no_graph_yet == 0
-    assert len(manager.cache) == graphs  # nothing captured in the second run
+    assert manager.stats.hits == 10 and manager.stats.graphs_captured == 0
     for output in outputs:
         torch.testing.assert_close(output, expected)
 

@@ -190,3 +190,43 @@ def test_a_tower_reading_weights_outside_autocast_keeps_per_replay_casts():
     for graphed, eager, hits in predict_twice_with_new_weights(tower, images):
         assert hits > 0
         assert relative_error(graphed, eager) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "tower_type, forwards_per_capture",
+    # Agreeing copies: the first capture warms up without and with them (then
+    # records); later ones trust that and warm up once. Disagreeing copies are
+    # refused at the first capture, and later captures warm up once without them.
+    [(Tower, [3, 2, 2]), (ReadsWeightOutsideAutocast, [3, 2, 2])],
+)
+def test_the_copies_are_checked_at_the_first_capture_only(tower_type, forwards_per_capture):
+    from lightning_cg.adapters.batched import BatchedEncoderAdapter
+    from lightning_cg.manager import EncoderGraphManager
+
+    torch.manual_seed(0)
+    tower = tower_type().eval().cuda()
+    encoder = BatchedEncoderAdapter(tower)
+    forwards = []
+    graph_forward = encoder.graph_forward
+
+    def counted_graph_forward(path, buffers):
+        forwards.append(path)  # before the call: a forward that fails counts too
+        return graph_forward(path, buffers)
+
+    encoder.graph_forward = counted_graph_forward
+    manager = EncoderGraphManager(encoder, capture="first_use")
+    manager.begin_run()
+    shape = (3, 6, 6) if tower_type is Tower else (16,)
+    captured = []
+    for batch in (4, 2, 1):  # three budgets: one capture each
+        images = torch.randn(batch, *shape, device="cuda")
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+            inputs = manager.encoder.inputs_from_call((images,), {})
+            forwards.clear()
+            graphed = manager.execute(inputs).float()
+            captured.append(len(forwards))
+            eager = tower(images).float()
+        assert relative_error(graphed, eager) < 1e-2
+    assert captured == forwards_per_capture
+    assert manager.stats.graphs_captured == 3
