@@ -81,25 +81,33 @@ class _KeyRecord:
     path: str
     size: int
     sightings: int = 0
-    #: Sightings in the current run, and of those the ones served by its graph.
-    run_sightings: int = 0
-    run_replays: int = 0
     real_tokens: int = 0
     eager_seconds_per_token: list[float] = field(default_factory=list)
     graph_seconds: list[float] = field(default_factory=list)
     capture_seconds: float | None = None
+    # The medians of the two lists, kept as samples arrive: every sighting reads them.
+    median_eager_per_token: float | None = None
+    graph: float | None = None
 
     @property
     def eager(self) -> float | None:
         """Eager seconds of a sub-batch of the key's mean real tokens."""
-        if not self.eager_seconds_per_token or not self.sightings:
+        if self.median_eager_per_token is None or not self.sightings:
             return None
-        mean_tokens = self.real_tokens / self.sightings
-        return statistics.median(self.eager_seconds_per_token) * mean_tokens
+        return self.median_eager_per_token * self.real_tokens / self.sightings
 
-    @property
-    def graph(self) -> float | None:
-        return statistics.median(self.graph_seconds) if self.graph_seconds else None
+    def add_eager(self, seconds_per_token: float) -> None:
+        self.eager_seconds_per_token.append(seconds_per_token)
+        self.median_eager_per_token = statistics.median(self.eager_seconds_per_token)
+
+    def add_graph(self, seconds: float) -> None:
+        self.graph_seconds.append(seconds)
+        self.graph = statistics.median(self.graph_seconds)
+
+    def forget_graph(self) -> None:
+        self.graph_seconds.clear()
+        self.graph = None
+        self.capture_seconds = None
 
     @property
     def padding_factor(self) -> float:
@@ -149,7 +157,8 @@ class CapturePolicy:
         self._fitted_lines: dict[str, tuple[int, tuple[float, float] | None]] = {}
         self._calls = 0
         self._run_calls = 0
-        self._run_capture_seconds = 0.0
+        # This run's eager seconds of the sub-batches seen, replays' savings, captures.
+        self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
         self._expected_calls: int | None = None
         self._later_runs = repay_runs - 1
 
@@ -160,9 +169,7 @@ class CapturePolicy:
         that ``later_runs`` runs like it are known to follow (None: unknown)."""
         self._expected_calls = expected_calls
         self._run_calls = 0
-        self._run_capture_seconds = 0.0
-        for record in self._keys.values():
-            record.run_sightings = record.run_replays = 0
+        self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
         self._later_runs = max(self.repay_runs - 1, later_runs or 0)
 
     def called(self) -> None:
@@ -175,10 +182,12 @@ class CapturePolicy:
         of ``size`` tokens), whether or not the key has a graph yet."""
         record = self._keys.setdefault(key, _KeyRecord(path, size))
         record.sightings += 1
-        record.run_sightings += 1
-        # A key with a measured capture has a graph (forget_graphs clears it).
-        record.run_replays += record.capture_seconds is not None
         record.real_tokens += tokens
+        eager = record.eager
+        if eager is not None:
+            self._run_eager_seconds += eager
+            if record.graph is not None and not self._slower(record):
+                self._run_saved_seconds += eager - record.graph
         counts = self._path_token_counts.setdefault(path, set())
         if len(counts) < 2:
             counts.add(tokens)
@@ -195,7 +204,7 @@ class CapturePolicy:
 
     def record_eager(self, key: Hashable, seconds: float, tokens: int) -> None:
         """An eager run of a sub-batch of ``key`` with ``tokens`` real tokens took ``seconds``."""
-        self._keys[key].eager_seconds_per_token.append(seconds / max(tokens, 1))
+        self._keys[key].add_eager(seconds / max(tokens, 1))
 
     def record_eager_call(self, path: str, tokens: int, seconds: float) -> None:
         """An eager run of ``path`` on ``tokens`` real tokens (one or more
@@ -206,7 +215,7 @@ class CapturePolicy:
 
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
-        self._keys[key].graph_seconds.append(seconds)
+        self._keys[key].add_graph(seconds)
 
     def record_capture(self, key: Hashable, seconds: float, keys: int = 1) -> None:
         """Capturing ``keys`` keys for ``key`` took ``seconds``: ``key``'s capture
@@ -219,8 +228,7 @@ class CapturePolicy:
     def forget_graphs(self) -> None:
         """The graphs are gone (recaptured later): keep sightings and eager times only."""
         for record in self._keys.values():
-            record.graph_seconds.clear()
-            record.capture_seconds = None
+            record.forget_graph()
 
     # -------------------------------------------------------------- decisions
 
@@ -246,7 +254,10 @@ class CapturePolicy:
     def slower_than_eager(self, key: Hashable) -> bool:
         """Whether ``key``'s graph was measured slower than its eager runs."""
         record = self._keys.get(key)
-        if not self.drop_slower_graphs or record is None or record.eager is None:
+        return record is not None and self._slower(record)
+
+    def _slower(self, record: _KeyRecord) -> bool:
+        if not self.drop_slower_graphs or record.eager is None:
             return False
         return len(record.graph_seconds) >= SAMPLES and record.graph > record.eager
 
@@ -283,19 +294,15 @@ class CapturePolicy:
     def run_allowance(self) -> float:
         """Seconds captures may still cost this run beyond what they repay in it:
         :data:`RUN_SLACK` of the run's estimated eager time (the eager time of its
-        sub-batches so far, scaled to :meth:`run_calls`), plus the seconds its
-        replays saved, less its capture seconds. Sub-batches of keys without an
-        eager timing count for nothing, which errs on the side of eager."""
-        eager_so_far = saved = 0.0
-        for record in self._keys.values():
-            eager = record.eager
-            if eager is None or not record.run_sightings:
-                continue
-            eager_so_far += eager * record.run_sightings
-            if record.run_replays:
-                saved += record.run_replays * eager * (1.0 - self._graph_ratio(record))
-        run_eager = eager_so_far * self.run_calls() / max(self._run_calls, 1)
-        return RUN_SLACK * run_eager + saved - self._run_capture_seconds
+        sub-batches so far, scaled to :meth:`run_calls`), plus what its replays
+        saved (eager less measured graph time), less its capture seconds.
+
+        Sub-batches count at the estimates known when they were seen: those of a
+        key not timed yet count nothing, nor do replays before their graph is
+        timed, which errs on the side of eager.
+        """
+        run_eager = self._run_eager_seconds * self.run_calls() / max(self._run_calls, 1)
+        return RUN_SLACK * run_eager + self._run_saved_seconds - self._run_capture_seconds
 
     def _expected_sightings(self, record: _KeyRecord) -> float:
         return self._sightings_per_call(record) * self.horizon_calls()

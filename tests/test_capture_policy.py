@@ -94,11 +94,13 @@ def test_a_run_captures_what_later_runs_repay_only_within_its_allowance():
 
 @pytest.mark.parametrize("replays_of_b, captured_at", [(False, None), (True, 1)])
 def test_what_a_runs_graphs_save_funds_captures_that_later_runs_repay(replays_of_b, captured_at):
-    # "b" was captured in an earlier run, at 3 eager runs (the path's capture ratio).
+    # "b" was captured in an earlier run, at 3 eager runs (the path's capture
+    # ratio), and its replays take half its eager time.
     policy = CapturePolicy(min_sightings=2, drop_slower_graphs=False)
     policy.begin_run(expected_calls=8)
     see(policy, "b", eager_s=0.01)
     policy.record_capture("b", 0.03)
+    policy.record_replay("b", 0.005)
     policy.begin_run(expected_calls=8)
     decisions = []
     for _ in range(8):
@@ -121,16 +123,18 @@ def test_the_run_allowance_counts_eager_time_savings_and_captures_of_this_run_on
     policy.begin_run(expected_calls=10)
     for _ in range(5):
         see(policy, "a", eager_s=0.01)
-    # 5 calls of 0.01 s so far, scaled to 10: RUN_SLACK x 0.1 s.
-    assert policy.run_allowance() == pytest.approx(RUN_SLACK * 0.1)
+    # 4 sub-batches of 0.01 s (the first was seen before its timing), scaled to 10 calls.
+    assert policy.run_allowance() == pytest.approx(RUN_SLACK * 0.04 * 10 / 5)
     policy.record_capture("a", 0.02)
-    see(policy, "a")  # a replay: saves half of 0.01 s (the prior graph ratio)
-    expected = RUN_SLACK * (0.06 * 10 / 6) + 0.005 * (1 - PRIOR_GRAPH_RATIO) / 0.5 - 0.02
+    see(policy, "a")  # a replay not timed yet: it saves nothing so far
+    policy.record_replay("a", 0.004)
+    see(policy, "a")  # saves 0.01 - 0.004 s
+    expected = RUN_SLACK * (0.06 * 10 / 7) + 0.006 - 0.02
     assert policy.run_allowance() == pytest.approx(expected)
     # A new run starts from its own eager time, with nothing saved or spent yet.
     policy.begin_run(expected_calls=10)
     see(policy, "a")
-    assert policy.run_allowance() == pytest.approx(RUN_SLACK * 0.1 + 0.005)
+    assert policy.run_allowance() == pytest.approx(RUN_SLACK * 0.1 + 0.006)
 
 
 def test_runs_known_to_follow_extend_the_horizon_when_they_are_more():
@@ -154,11 +158,11 @@ def test_without_a_horizon_a_key_is_captured_once_its_past_would_have_repaid_it(
     assert decisions.index(CAPTURE) == 9
     # One later run as long as this one would be (so far and as many again)
     # repays it from the fourth sighting (3 x 4 x 0.005 s >= 0.05 s), but this
-    # run's allowance (RUN_SLACK of 0.02 s per sighting so far) covers the
-    # unpaid 0.05 - k x 0.005 s only from the ninth.
+    # run's allowance (RUN_SLACK of twice the k - 1 timed sightings' 0.01 s)
+    # covers the unpaid 0.05 - k x 0.005 s only from the tenth.
     default = CapturePolicy(min_sightings=2)
     default.begin_run(expected_calls=None)
-    assert [see(default, "a", eager_s=0.01) for _ in range(10)].index(CAPTURE) == 8
+    assert [see(default, "a", eager_s=0.01) for _ in range(10)].index(CAPTURE) == 9
 
 
 def test_a_rare_key_among_frequent_ones_waits():
