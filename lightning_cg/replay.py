@@ -62,13 +62,13 @@ def check_replay(
     """
     spec = graph.spec
     where = f"path {path!r}, budget {spec.token_budget}, max_items {spec.max_items}"
-    if not torch.isfinite(reference).all():
+    error = replay_error(replayed, reference)
+    if error is None:
         raise RuntimeError(
             f"verify: the eager output on {where} holds NaN or infinity, so the graph "
             "cannot be compared with it; check the inputs (a NaN or inf in the batch) "
             "or the tower's weights"
         )
-    error = relative_error(replayed, reference)
     tolerance = verify_tolerance(reference.dtype)
     if not error <= tolerance:
         raise RuntimeError(
@@ -77,6 +77,14 @@ def check_replay(
             "between calls (a Python scalar, a host tensor, a data-dependent shape)."
         )
     graph.verified = True
+
+
+def replay_error(replayed: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """:func:`relative_error` of a replay against the eager ``reference``, or None
+    when the reference holds NaN or infinity (the replay cannot be judged on it)."""
+    if not torch.isfinite(reference).all():
+        return None
+    return relative_error(replayed, reference)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
