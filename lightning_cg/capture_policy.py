@@ -17,11 +17,14 @@ more. ``compile="auto"`` weighs its compile over the same horizon.
 
 A capture repaid over later runs makes the current one slower, so a run also
 keeps an allowance: a key is captured only when what its capture costs beyond
-what it repays in the rest of this run fits within :data:`RUN_SLACK` of the
-run's estimated eager time, plus what this run's graphs have saved, less what
-its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is not
-made slower than eager by more than that, by these estimates, and a key that
-short runs cannot afford stays eager in them.
+what the calls known to come repay (:meth:`CapturePolicy.committed_calls`: the
+rest of this run, and the runs known to follow, such as a fit's validation runs
+still to come, but not the ``repay_runs`` guess) fits within :data:`RUN_SLACK`
+of the run's estimated eager time, plus what this run's graphs have saved, less
+what its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is
+not made slower than eager by more than that, by these estimates, for runs that
+may never come, and a key that short runs cannot afford stays eager in them.
+``compile="auto"`` keeps to the same allowance.
 
 The gain is the key's eager time minus its estimated graph time, and the
 capture cost is its eager time times the capture/eager ratio measured so far. A
@@ -161,6 +164,7 @@ class CapturePolicy:
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
         self._expected_calls: int | None = None
         self._later_runs = repay_runs - 1
+        self._known_later_runs = 0
 
     # ----------------------------------------------------------- observations
 
@@ -170,7 +174,8 @@ class CapturePolicy:
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
-        self._later_runs = max(self.repay_runs - 1, later_runs or 0)
+        self._known_later_runs = later_runs or 0
+        self._later_runs = max(self.repay_runs - 1, self._known_later_runs)
 
     def called(self) -> None:
         """The tower was called once."""
@@ -247,8 +252,9 @@ class CapturePolicy:
         cost = record.eager * self._capture_ratio(record.path)
         if self._expected_sightings(record) * gain < cost:
             return WAIT
-        # The part of the cost that only later runs repay must fit this run's allowance.
-        unpaid = cost - self._sightings_per_call(record) * self.remaining_calls() * gain
+        # The part of the cost that only runs which may never come repay must
+        # fit this run's allowance.
+        unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * gain
         return CAPTURE if unpaid <= self.run_allowance() else WAIT
 
     def slower_than_eager(self, key: Hashable) -> bool:
@@ -290,6 +296,12 @@ class CapturePolicy:
         and the later runs like it (``repay_runs - 1``, or the runs known to
         follow when more). Fixed per run: it does not grow with the runs made."""
         return self.remaining_calls() + self._later_runs * self.run_calls()
+
+    def committed_calls(self) -> int:
+        """Calls known to come: the rest of this run, and the runs known to follow
+        (a fit's validation runs still to come). What a capture or the compile
+        costs beyond what these repay is paid from :meth:`run_allowance`."""
+        return self.remaining_calls() + self._known_later_runs * self.run_calls()
 
     def run_allowance(self) -> float:
         """Seconds captures may still cost this run beyond what they repay in it:

@@ -138,9 +138,15 @@ class CompileLifecycle:
         and before a call the calls a graph would serve (the capture policy's
         horizon) are weighed against the compile."""
         compile_policy = self.compile_policy
-        horizon_calls = self._capture_policy.horizon_calls()
-        if compile_policy.decide(horizon_calls, self.stats.capture_seconds):
-            estimates = compile_policy.estimates() | {"horizon_calls": horizon_calls}
+        capture_policy = self._capture_policy
+        weighed = {
+            "horizon_calls": capture_policy.horizon_calls(),
+            "capture_seconds": self.stats.capture_seconds,
+            "committed_calls": capture_policy.committed_calls(),
+            "allowance": capture_policy.run_allowance(),
+        }
+        if compile_policy.decide(**weighed):
+            estimates = compile_policy.estimates() | weighed
             logger.info("compile='auto': compiling the graph forward (%s)", estimates)
             self.start()
             return self._runner.run(inputs, specs)

@@ -184,7 +184,8 @@ class GraphConfig:
             ``measured`` (a path's whole ladder captured and timed against
             eager on its first real items; graphs only where faster).
         compile: ``auto``: capture a ``torch.compile``'d graph forward once the
-            calls ahead (``repay_runs``) are expected to repay the compile
+            calls ahead (``repay_runs``) are expected to repay the compile and
+            what the calls known to come leave unpaid fits the run's allowance
             (:mod:`lightning_cg.compile_policy`; a failed compile falls back to
             the uncompiled forward); ``true``: from the first capture; ``false``: never.
         repay_runs: a key is captured (``capture="paid_back"``), and
@@ -193,7 +194,9 @@ class GraphConfig:
             expected to repay it: graphs and compiled code outlive the run, and
             a Trainer's runs repeat. 1 weighs the current run alone. Runs known
             to follow (``begin_run``'s ``later_runs``) count instead when they
-            are more.
+            are more. What the rest of the run and the runs known to follow
+            do not repay must fit the current run's allowance
+            (:mod:`lightning_cg.capture_policy`).
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks, once for all of them, when they hold most of its
             weights; else the whole graph forward), ``blocks`` or ``whole``

@@ -92,6 +92,18 @@ def test_a_run_captures_what_later_runs_repay_only_within_its_allowance():
     assert CAPTURE not in [see(policy, "a", eager_s=0.01) for _ in range(8)]
 
 
+@pytest.mark.parametrize("later_runs, captured_at", [(None, None), (0, None), (1, 1)])
+def test_runs_known_to_follow_may_pay_for_a_capture(later_runs, captured_at):
+    # As above, a run of 8 and one more like it repay a capture of "a". A run
+    # known to follow (a fit's next validation run) will come, so this run may
+    # capture "a" at its second sighting: (6 + 8) x 0.005 s >= 0.05 s.
+    policy = CapturePolicy(min_sightings=2)
+    policy.begin_run(expected_calls=8, later_runs=later_runs)
+    assert policy.committed_calls() == 8 + (later_runs or 0) * 8
+    decisions = [see(policy, "a", eager_s=0.01) for _ in range(8)]
+    assert (decisions.index(CAPTURE) if CAPTURE in decisions else None) == captured_at
+
+
 @pytest.mark.parametrize("replays_of_b, captured_at", [(False, None), (True, 1)])
 def test_what_a_runs_graphs_save_funds_captures_that_later_runs_repay(replays_of_b, captured_at):
     # "b" was captured in an earlier run, at 3 eager runs (the path's capture
