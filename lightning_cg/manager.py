@@ -247,7 +247,12 @@ class EncoderGraphManager:
 
     def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
         """Capture every key of ``paths`` (default: all) for one adapter signature now,
-        whatever the capture policy says (e.g. to capture before a timed run)."""
+        whatever the capture policy says (e.g. to capture before a timed run).
+
+        With ``compile="auto"``, these graphs are dropped when compiling starts
+        (its keys are captured again, compiled, as they pay); ``compile=False``
+        keeps them.
+        """
         graph_set = GraphSet(signature, autocast_key())
         keys = [
             key
