@@ -298,9 +298,10 @@ class CapturePolicy:
         return self.remaining_calls() + self._later_runs * self.run_calls()
 
     def committed_calls(self) -> int:
-        """Calls known to come: the rest of this run, and the runs known to follow
-        (a fit's validation runs still to come). What a capture or the compile
-        costs beyond what these repay is paid from :meth:`run_allowance`."""
+        """Calls known to come: the rest of this run (as :meth:`remaining_calls`
+        estimates it when the run's length is unknown), and the runs known to
+        follow (a fit's validation runs still to come). What a capture or the
+        compile costs beyond what these repay is paid from :meth:`run_allowance`."""
         return self.remaining_calls() + self._known_later_runs * self.run_calls()
 
     def run_allowance(self) -> float:

@@ -136,7 +136,8 @@ class CompileLifecycle:
     def run_weighing_compile(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
         """A call while ``compile="auto"`` waits: some calls are timed on the GPU,
         and before a call the calls a graph would serve (the capture policy's
-        horizon) are weighed against the compile."""
+        horizon), the calls known to come and the run's allowance are weighed
+        against the compile."""
         compile_policy = self.compile_policy
         capture_policy = self._capture_policy
         weighed = {
