@@ -80,6 +80,10 @@ class CompilePolicy:
         self.gain = gain
         #: Whether the policy has decided to compile (it never goes back).
         self.compiling = False
+        #: At the last decision, the seconds by which the compile overran the
+        #: run's allowance although the horizon repays it (later runs may come);
+        #: None when it did not come to that.
+        self.overrun_seconds: float | None = None
         self._call_seconds: deque[float] = deque(maxlen=WINDOW)
         # decide() runs before every call; the median changes only with a sample.
         self._median: float | None = None
@@ -110,8 +114,10 @@ class CompilePolicy:
             self._median = statistics.median(self._call_seconds)
         saved_per_call = self._median * self.gain
         cost = self.compile_seconds + capture_seconds
+        repaid = horizon_calls * saved_per_call >= cost
         unpaid = cost - committed_calls * saved_per_call
-        self.compiling = horizon_calls * saved_per_call >= cost and unpaid <= allowance
+        self.overrun_seconds = unpaid - allowance if repaid and unpaid > allowance else None
+        self.compiling = repaid and unpaid <= allowance
         return self.compiling
 
     def estimates(self) -> dict[str, float | None]:

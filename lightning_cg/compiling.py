@@ -75,6 +75,8 @@ class CompileLifecycle:
         self._cuda = torch.cuda.is_available()
         #: Compiling was given up: the next call restores the uncompiled plans.
         self._uncompiled_plans_due = False
+        # Whether the log said once that the compile would overrun a run's allowance.
+        self._told_overrun = False
 
     def connect(
         self,
@@ -151,6 +153,14 @@ class CompileLifecycle:
             logger.info("compile='auto': compiling the graph forward (%s)", estimates)
             self.start()
             return self._runner.run(inputs, specs)
+        if compile_policy.overrun_seconds is not None and not self._told_overrun:
+            self._told_overrun = True
+            logger.info(
+                "compile='auto': not compiling: the runs repay_runs counts on would repay "
+                "the compile, but this run would pay %.1f s more than its allowance for "
+                "them; compile=true compiles from the first capture, for runs that repeat",
+                compile_policy.overrun_seconds,
+            )
         # Only GPU time decides: a tower on the CPU captures no graphs to compile.
         if not (self._cuda and compile_policy.wants_call_timing()):
             return self._runner.run(inputs, specs)

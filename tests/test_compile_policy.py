@@ -2,6 +2,7 @@
 call times, and the manager's switch to compiled graphs."""
 
 import functools
+import logging
 import random
 
 import pytest
@@ -72,6 +73,13 @@ def test_what_the_calls_known_to_come_leave_unpaid_must_fit_the_allowance(allowa
     policy = timed_policy(6.0, 0.1)
     decided = decide(policy, horizon_calls=400, committed_calls=200, allowance=allowance)
     assert decided is compiles
+    assert policy.overrun_seconds == (None if compiles else pytest.approx(1.0 - allowance))
+
+
+def test_no_overrun_is_told_when_the_horizon_does_not_repay_the_compile():
+    policy = timed_policy(6.0, 0.1)
+    assert not decide(policy, horizon_calls=239, committed_calls=0)
+    assert policy.overrun_seconds is None
 
 
 def test_graphs_to_capture_again_raise_the_bar():
@@ -172,7 +180,10 @@ def test_a_short_run_stays_uncompiled(monkeypatch):
 
 
 @pytest.mark.parametrize("repay_runs", [2, 3])
-def test_later_runs_that_may_never_come_do_not_make_this_run_compile(monkeypatch, repay_runs):
+def test_later_runs_that_may_never_come_do_not_make_this_run_compile(
+    monkeypatch, caplog, repay_runs
+):
+    caplog.set_level(logging.INFO, logger="lightning_cg.compiling")
     eager_backend(monkeypatch)
     tower = ToyTower().eval()
     manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", repay_runs=repay_runs)
@@ -185,6 +196,10 @@ def test_later_runs_that_may_never_come_do_not_make_this_run_compile(monkeypatch
     calls(manager, tower, 2)
     assert manager.compile_policy.estimates()["timed_calls"] >= MIN_SAMPLES
     assert not manager.compiled_encoder.started
+    # The user is told once why, and what would compile.
+    messages = [record.getMessage() for record in caplog.records]
+    told = [message for message in messages if "not compiling" in message]
+    assert len(told) == 1 and "compile=true" in told[0]
 
 
 @pytest.mark.parametrize("later_runs, compiles", [(None, False), (0, False), (3, True)])
