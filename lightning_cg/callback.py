@@ -370,7 +370,9 @@ def _total_batches(batches: Any) -> int | None:
 def _validation_runs_after(trainer: pl.Trainer) -> int | None:
     """The validation runs a fit still makes after the current one; None outside
     a fit or when its length is not known in epochs (``max_epochs`` unlimited,
-    ``max_steps`` set, or validation every so many training batches)."""
+    ``max_steps`` set, early stopping, or validation every so many training
+    batches). Captures and the compile may make a run pay for these runs, so
+    they must come."""
     epochs, every = trainer.max_epochs, trainer.check_val_every_n_epoch
     once_per_epoch = isinstance(trainer.val_check_interval, float) and (
         trainer.val_check_interval == 1.0
@@ -380,6 +382,7 @@ def _validation_runs_after(trainer: pl.Trainer) -> int | None:
         or epochs is None
         or epochs < 0
         or trainer.max_steps != -1
+        or trainer.early_stopping_callbacks
         or every is None
         or not once_per_epoch
     ):

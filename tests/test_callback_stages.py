@@ -3,7 +3,7 @@ inside the steps, in the sanity check, and in the ``on_*_end`` hooks after the c
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping
 from test_callback import BUDGETS, RecordingModel, datamodule, trainer
 from torch import nn
 
@@ -124,6 +124,8 @@ class LaterRunsRecorder(Callback):
         ({"max_epochs": 5, "check_val_every_n_epoch": 2}, [1, 0]),
         ({"max_epochs": 2, "max_steps": 6}, [None, None]),  # may end before its epochs
         ({"max_epochs": 1, "val_check_interval": 1}, [None] * 3),  # every training batch
+        # Early stopping may end the fit after any validation run (not in these 3 epochs).
+        ({"max_epochs": 3, "early_stopping": True}, [None] * 3),
     ],
 )
 def test_a_fit_tells_the_manager_how_many_validation_runs_follow(fit_options, expected):
@@ -131,7 +133,9 @@ def test_a_fit_tells_the_manager_how_many_validation_runs_follow(fit_options, ex
     recorder = LaterRunsRecorder(callback)
     net = RecordingModel()
     data = datamodule()
-    trainer(callback, recorder, limit_val_batches=1, **fit_options).fit(net, data)
+    options = {name: value for name, value in fit_options.items() if name != "early_stopping"}
+    stopping = [EarlyStopping("val_loss", patience=10)] if "early_stopping" in fit_options else []
+    trainer(callback, recorder, *stopping, limit_val_batches=1, **options).fit(net, data)
     assert recorder.later_runs == expected
     trainer(callback, recorder).validate(net, data)
     trainer(callback, recorder).predict(net, data)
