@@ -427,6 +427,19 @@ def test_manager_leaves_eager_a_short_run_that_only_the_next_run_would_repay():
         torch.testing.assert_close(output, expected)
 
 
+@pytest.mark.parametrize("later_runs, captured", [(None, False), (0, False), (1, True)])
+def test_manager_lets_a_fit_validation_run_pay_for_the_runs_known_to_follow(later_runs, captured):
+    # As above, a capture costs 5 eager runs and a replay saves a third of one.
+    # A fit's validation run still to come will come, so at the second call the
+    # 8 calls left and its 10 (18 x a third >= 5) repay the capture.
+    _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
+    manager.begin_run(expected_calls=10, later_runs=later_runs)
+    for output in run_calls(manager, inputs, 10):
+        torch.testing.assert_close(output, expected)
+    assert manager.is_captured() is captured
+    assert manager.stats.hits == (9 if captured else 0)
+
+
 def test_manager_sends_a_key_whose_graph_is_slower_back_to_eager():
 
     from toy_encoder import ToyEncoder
