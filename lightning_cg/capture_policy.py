@@ -71,8 +71,9 @@ SAMPLES = 3
 PATH_SAMPLES = 32
 #: Eager calls after which a path whose sizes vary stops waiting for the fit.
 FIT_PATIENCE = 8
-#: The share of a run's estimated eager time that captures repaid only by
-#: later runs may cost the run (see :meth:`CapturePolicy.run_allowance`).
+#: The share of a run's estimated eager time that captures (and the compile)
+#: repaid only by runs that may never come may cost the run (see
+#: :meth:`CapturePolicy.run_allowance`).
 RUN_SLACK = 0.03
 
 #: Decisions of :meth:`CapturePolicy.decide`.
@@ -305,7 +306,8 @@ class CapturePolicy:
         return self.remaining_calls() + self._known_later_runs * self.run_calls()
 
     def run_allowance(self) -> float:
-        """Seconds captures may still cost this run beyond what they repay in it:
+        """Seconds captures or the compile may still cost this run beyond what the
+        calls known to come repay (:meth:`committed_calls`):
         :data:`RUN_SLACK` of the run's estimated eager time (the eager time of its
         sub-batches so far, scaled to :meth:`run_calls`), plus what its replays
         saved (eager less measured graph time), less its capture seconds.
