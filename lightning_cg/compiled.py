@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_cg.compile_regions import CompiledBlocks, blocks_to_compile
+from lightning_cg.compile_regions import CompiledBlocks, blocks_to_compile, specialized_floats
 from lightning_cg.dispatcher import GraphMode
 from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder, ItemSpec
 
@@ -172,7 +172,7 @@ class CompiledEncoder:
         ``torch.compile`` imports dynamo (seconds), which a manager that never
         compiles (``compile="auto"`` in a short run) should not pay."""
         if self.compiled_blocks is None:
-            return self._compile_function(self.encoder.graph_forward)
+            return self._forward_compiled_whole
         return self._forward_with_compiled_blocks
 
     @property
@@ -265,6 +265,16 @@ class CompiledEncoder:
         lines = (line.strip() for line in str(error).splitlines())
         self.give_up(f"{type(error).__name__}: {' '.join(filter(None, lines))}")
         return self.encoder.graph_forward(path, buffers)
+
+    @functools.cached_property
+    def _compiled_whole(self) -> Callable:
+        return self._compile_function(self.encoder.graph_forward)
+
+    def _forward_compiled_whole(
+        self, path: str, buffers: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        with specialized_floats():
+            return self._compiled_whole(path, buffers)
 
     def _forward_with_compiled_blocks(
         self, path: str, buffers: Mapping[str, torch.Tensor]

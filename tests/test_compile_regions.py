@@ -3,6 +3,7 @@ import functools
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
 
 from lightning_cg.compile_regions import (
     MIN_BLOCK_WEIGHT_SHARE,
@@ -186,3 +187,46 @@ def test_with_grad_the_blocks_inputs_keep_their_autograd_history():
         tower(x).sum().backward()
     for parameter, gradient in zip(tower.parameters(), expected, strict=True):
         torch.testing.assert_close(parameter.grad, gradient)
+
+
+class NormBlock(nn.Module):
+    """A block with a float setting: its LayerNorm's ``eps``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(self.norm(x))
+
+
+class AttemptCounter:
+    """A ``torch.compile`` backend that counts dynamo's attempts at handing it a
+    graph and compiles through aot_autograd, as inductor does (no code generated)."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list):
+        self.attempts += 1
+        return aot_eager(graph_module, example_inputs)
+
+
+def test_a_blocks_float_settings_compile_in_one_attempt():
+    # With dynamic shapes dynamo would trace eps as a symbol that aot_autograd
+    # cannot use, then trace the block again: a second attempt, seconds on the GPU.
+    torch.manual_seed(0)
+    blocks = [NormBlock(16).eval() for _ in range(2)]
+    backend = AttemptCounter()
+    compiled = CompiledBlocks(
+        blocks, functools.partial(torch.compile, dynamic=True, backend=backend)
+    )
+    with torch.no_grad():
+        for rows in (5, 9):
+            x = torch.randn(rows, 16)
+            expected = blocks[1](blocks[0](x))
+            with compiled.installed():
+                actual = blocks[1](blocks[0](x))
+            torch.testing.assert_close(actual, expected)
+    assert backend.attempts == 1

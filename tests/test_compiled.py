@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from test_compile_regions import AttemptCounter
 from torch import nn
 from toy_encoder import ToyEncoder, ToyTower
 
@@ -196,10 +197,21 @@ def test_repeated_blocks_compile_once_for_every_block_and_budget():
     assert not any("forward" in vars(block) for block in tower.blocks)
 
 
-def test_whole_scope_compiles_the_whole_graph_forward():
+def test_whole_scope_compiles_the_whole_graph_forward_in_one_attempt():
+    torch.manual_seed(0)
     tower = tiny_packed_vit()
-    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend="eager", scope="whole")
+    backend = AttemptCounter()
+    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend=backend, scope="whole")
     assert encoder.compiled_blocks is None
+    manager = EncoderGraphManager(encoder, capture="first_use")
+    grid = torch.tensor([(1, 4, 6), (1, 2, 2)])
+    patches = torch.randn(28, 3 * 16 * 16)
+    with torch.no_grad():
+        actual = manager.execute(encoder.inputs_from_call((patches, grid), {}))
+        torch.testing.assert_close(actual, tower(patches, grid))
+    # The tower's float settings (its norms' eps) are constants: dynamo traced the
+    # forward once, not once with them as symbols and again without.
+    assert backend.attempts == 1
 
 
 def test_auto_scope_compiles_packed_blocks_and_batch_first_towers_whole():
