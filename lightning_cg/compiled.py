@@ -268,6 +268,7 @@ class CompiledEncoder:
 
     @functools.cached_property
     def _compiled_whole(self) -> Callable:
+        """The adapter's whole graph forward, compiled (made at first use, as above)."""
         return self._compile_function(self.encoder.graph_forward)
 
     def _forward_compiled_whole(
