@@ -164,6 +164,10 @@ class CompiledEncoder:
         #: Why compiling was given up (a failed compile with ``fall_back``, or
         #: outputs that differ from eager), or None.
         self.compile_error: str | None = None
+        # The adapter's answer to which graphs collect per-layer outputs (optional).
+        self._collects_layer_outputs: Callable[[str, Mapping[str, torch.Tensor]], bool] | None = (
+            getattr(encoder, "collects_layer_outputs", None)
+        )
         self._compiled: set[Hashable] = set()
 
     @functools.cached_property
@@ -222,8 +226,9 @@ class CompiledEncoder:
         return self.encoder.postprocess(outputs, inputs)
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The wrapped encoder's graph forward, compiled once :attr:`started`."""
-        if not self.started:
+        """The wrapped encoder's graph forward, compiled once :attr:`started` (but
+        see :meth:`_runs_uncompiled`)."""
+        if not self.started or self._runs_uncompiled(path, buffers):
             return self.encoder.graph_forward(path, buffers)
         compiled_for = self._compiled_for(path, buffers)
         if compiled_for in self._compiled:
@@ -257,6 +262,18 @@ class CompiledEncoder:
         )
         if self.on_give_up is not None:
             self.on_give_up()
+
+    def _runs_uncompiled(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the graph of ``buffers`` captures the adapter's own forward: one
+        whose call collects per-layer outputs in a Python list (transformers'
+        ``output_attentions``), with the blocks compiled. Dynamo guards the list's
+        length, so one compiled block would compile again for every block, up to
+        its recompile limit; the whole forward compiled at once does not."""
+        return (
+            self.compiled_blocks is not None
+            and self._collects_layer_outputs is not None
+            and self._collects_layer_outputs(path, buffers)
+        )
 
     def _give_up_compiling(
         self, error: Exception, path: str, buffers: Mapping[str, torch.Tensor]

@@ -146,7 +146,12 @@ class GraphableEncoder(Protocol):
     Optionally, ``postprocess_joined(path_rows, inputs)`` builds the same output
     as :meth:`postprocess` from ``{path: rows of every item, in item order}``;
     the manager calls it instead when a call's rows come in one piece per path,
-    which saves splitting them per item and joining them again.
+    which saves splitting them per item and joining them again. And
+    ``collects_layer_outputs(path, buffers)`` says whether the graph of
+    ``buffers`` serves calls that collect per-layer outputs in a Python list
+    (transformers' ``output_attentions``): with ``compile_scope`` blocks those
+    graphs capture the uncompiled forward, since one compiled block would
+    compile again for every block.
     """
 
     def graph_config(self) -> EncoderGraphConfig:

@@ -201,6 +201,15 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             self._remember_layout(signature, output, batch_size)
         return output_rows(output, batch_size)
 
+    def collects_layer_outputs(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the graph of ``buffers`` serves calls that collect each layer's
+        attentions in a Python list (``output_attentions``, from the call or the
+        config), which compiled blocks would recompile for."""
+        signature, _ = self._unnamed(buffers)
+        requested = dict(signature.options).get("output_attentions")  # None: the config's
+        default = dict(signature.config).get("output_attentions")
+        return bool(default if requested is None else requested)
+
     def eager_forward(self, path: str, inputs: HFInputs) -> torch.Tensor:
         """The original forward on exactly ``inputs``, its output flattened to rows."""
         self._check_path(path)

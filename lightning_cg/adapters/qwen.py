@@ -314,6 +314,15 @@ class QwenVisionAdapter:
             output = self._forward(patches, None, options, metadata)
         return self._layout(options).to_rows(output, rows // self._merge_area)
 
+    def collects_layer_outputs(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the graph of ``buffers`` serves calls that collect each block's
+        attentions in a Python list (``output_attentions``, from the call or the
+        config), which compiled blocks would recompile for."""
+        name = next(name for name in buffers if name.startswith(_PATCHES))
+        requested = dict(self._options_by_name[name]).get("output_attentions")  # None: the config's
+        default = getattr(self.tower.config, "output_attentions", False)
+        return bool(default if requested is None else requested)
+
     def eager_forward(self, path: str, inputs: QwenInputs) -> torch.Tensor:
         """The tower's own forward (its own attention) on exactly the items, as layout rows."""
         self._check_path(path)

@@ -235,6 +235,37 @@ def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     assert_same_output(execute(manager, x), eager(tower, x))
 
 
+class GraphCounter:
+    """A ``torch.compile`` backend that runs the traced graph as it is and counts the graphs."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list):
+        self.graphs += 1
+        return graph_module.forward
+
+
+def test_compiled_layers_leave_calls_that_collect_attentions_uncompiled():
+    # transformers appends each layer's attentions to a Python list whose length
+    # dynamo guards: one compiled layer would compile again for every layer.
+    torch._dynamo.reset()
+    tower = tiny_tower("clip", attention="eager")
+    backend = GraphCounter()
+    encoder = CompiledEncoder(HFEncoderAdapter(tower), backend=backend, scope="blocks")
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
+    for options in ({}, {"output_attentions": True}):
+        for batch_size in (2, 3):
+            x = torch.randn(batch_size, 3, 32, 32)
+            assert_same_output(execute(manager, x, **options), eager(tower, x, **options))
+        # Budgets 2 and 4: static shapes, then symbolic ones (torch.compile's default).
+        assert backend.graphs == 2
+    tower.config.output_attentions = True  # the config asks for them when the call does not
+    x = torch.randn(2, 3, 32, 32)
+    assert_same_output(execute(manager, x), eager(tower, x))
+    assert backend.graphs == 2
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_encoder_layers_equal_the_towers_forward(kind):
     # backend="eager": dynamo traces one encoder layer's forward, which every

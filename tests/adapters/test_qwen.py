@@ -194,6 +194,46 @@ def test_compiled_blocks_equal_the_towers_forward_and_compile_once(kind):
     assert not any("forward" in vars(block) for block in tower.blocks)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_calls_that_collect_attentions_capture_the_uncompiled_forward(kind):
+    # transformers appends each block's attentions to a Python list whose length
+    # dynamo guards: one compiled block would compile again for every block.
+    torch._dynamo.reset()
+    tower = tiny_tower(kind)
+    backend = CompileCounter()
+    encoder = CompiledEncoder(adapter_for(tower), backend=backend, scope="blocks")
+    manager = EncoderGraphManager(
+        encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
+    )
+    calls = [([(1, 4, 8)], {}), ([(1, 4, 8)], {"output_attentions": True})]
+    calls += [([(2, 4, 4), (1, 2, 6)], {"output_attentions": True}), ([(1, 8, 8)], {})]
+    for grid, options in calls:
+        hidden_states, grid_thw = patches_of(grid)
+        actual = graphed(manager, hidden_states, grid_thw, **options)
+        expected = eager(tower, hidden_states, grid_thw, **options)
+        assert_outputs_equal(actual, expected, atol=1e-5, rtol=1e-5)
+    assert manager.stats.hits == 4
+    # Only the calls without attentions ran the compiled block: one compile.
+    assert backend.graphs == 1
+
+
+def test_a_config_that_collects_attentions_leaves_the_blocks_uncompiled():
+    torch._dynamo.reset()
+    tower = tiny_tower("qwen2_vl")
+    tower.config._attn_implementation = "eager"  # sdpa refuses output_attentions
+    tower.config.output_attentions = True  # asked for by the config, not the call
+    backend = CompileCounter()
+    encoder = CompiledEncoder(adapter_for(tower), backend=backend, scope="blocks")
+    manager = EncoderGraphManager(
+        encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
+    )
+    hidden_states, grid_thw = patches_of([(1, 4, 8)])
+    actual = graphed(manager, hidden_states, grid_thw)
+    assert_outputs_equal(actual, eager(tower, hidden_states, grid_thw), atol=1e-5, rtol=1e-5)
+    assert len(actual.attentions) == 3 and manager.stats.hits == 1
+    assert backend.graphs == 0
+
+
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 def test_a_graph_of_one_frame_has_an_empty_sequence_more(kind):
     # Two offsets would give one sequence length, a size of 1 that aot_autograd
