@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ Batch = dict[str, torch.Tensor]
 class UserModule(pl.LightningModule):
     """The tower at ``self.backbone`` under a linear head, called in every step.
 
-    Each tower call is timed with a synchronize on each side, and the seconds
-    add up in :attr:`tower_seconds` (reset by :class:`RunClock` at each run).
+    Each tower call is timed with a synchronize on each side: the seconds add
+    up in :attr:`tower_seconds`, and each call's are kept in
+    :attr:`tower_call_seconds` (both reset by :class:`RunClock` at each run).
     A transformers tower is called as its users call it: a batch-first one as
     ``backbone(pixel_values=images).pooler_output``, a Qwen vision tower as
     ``backbone(pixel_patches, grid_thw=grid_thw).pooler_output`` (its merged tokens).
@@ -47,6 +49,7 @@ class UserModule(pl.LightningModule):
         self.lr = lr
         self.tower_seconds = 0.0
         self.tower_calls = 0
+        self.tower_call_seconds: list[float] = []
 
     def embed(self, batch: Batch) -> torch.Tensor:
         """One embedding per image: the tower's output, packed rows averaged per image."""
@@ -94,8 +97,10 @@ class UserModule(pl.LightningModule):
         started = time.perf_counter()
         outputs = call(*inputs)
         _synchronize(self.device)
-        self.tower_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.tower_seconds += seconds
         self.tower_calls += 1
+        self.tower_call_seconds.append(seconds)
         return outputs
 
 
@@ -110,6 +115,9 @@ class RunRecord:
         graphs_captured: graphs the callback captured (None without a callback).
         capture_s: seconds of capture (None without a callback).
         stats: the callback's ``last_stats`` after the run.
+        first_call_s: seconds of the run's first tower call (None without calls):
+            what a run pays once shows here, apart from the calls that follow.
+        median_call_s: the median seconds of the run's tower calls (None without calls).
     """
 
     tower_s: float
@@ -118,6 +126,8 @@ class RunRecord:
     graphs_captured: float | None = None
     capture_s: float | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    first_call_s: float | None = None
+    median_call_s: float | None = None
 
 
 class RunClock(pl.Callback):
@@ -149,6 +159,7 @@ class RunClock(pl.Callback):
 
     def _start(self, pl_module: UserModule) -> None:
         pl_module.tower_seconds, pl_module.tower_calls = 0.0, 0
+        pl_module.tower_call_seconds = []
         _synchronize(pl_module.device)
         self._started = time.perf_counter()
 
@@ -157,6 +168,9 @@ class RunClock(pl.Callback):
         record = RunRecord(
             pl_module.tower_seconds, time.perf_counter() - self._started, pl_module.tower_calls
         )
+        calls = pl_module.tower_call_seconds
+        if calls:
+            record.first_call_s, record.median_call_s = calls[0], statistics.median(calls)
         if self.graph_callback is not None:
             stats: Mapping[str, float] = self.graph_callback.last_stats
             record.graphs_captured = int(stats["graphs_captured"])

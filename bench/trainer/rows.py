@@ -46,6 +46,13 @@ EXTRA_KEYS = (
     "eager_tower_s_repeats",  # every repeat's tower seconds, in order
     "callback_tower_s_repeats",
     "compile_tower_s_repeats",
+    # predict rows: the run's first tower call, and its median call (per method)
+    "eager_first_call_s",
+    "callback_first_call_s",
+    "compile_first_call_s",
+    "eager_median_call_s",
+    "callback_median_call_s",
+    "compile_median_call_s",
 )
 #: Extra fields of fit rows: per-epoch figures and the whole fit's wall time.
 FIT_KEYS = (
@@ -122,6 +129,8 @@ def _predict_row(row: dict[str, Any], by_method: Mapping[str, PredictRun]) -> di
     for method, result in by_method.items():
         row[f"{method}_tower_s"] = result.record.tower_s
         row[f"{method}_wall_s"] = result.call_s
+        row[f"{method}_first_call_s"] = result.record.first_call_s
+        row[f"{method}_median_call_s"] = result.record.median_call_s
         if eager is not None and method != EAGER:
             row[f"{method}_max_abs_diff"] = max_abs_difference(result.outputs, eager.outputs)
     if callback is not None:
@@ -254,9 +263,20 @@ def describe(row: Mapping[str, Any]) -> str:
     for key in ("vs_eager", "vs_compile"):
         if row.get(key) is not None:
             parts.append(f"{key} {row[key]:.2f}x")
+    calls = [_calls_ms(row, method) for method in (EAGER, CALLBACK, COMPILE)]
+    if any(calls):
+        parts.append("calls (first / median): " + ", ".join(filter(None, calls)))
     if row.get("graphs_captured") is not None:
         parts.append(f"{row['graphs_captured']:.0f} graphs, {row['capture_s']:.2f} s capture")
         compiling = (row.get("callback_stats") or {}).get("compile_seconds_run")
         if compiling:
             parts[-1] += f" ({compiling:.2f} s of it compiling)"
     return "; ".join(parts)
+
+
+def _calls_ms(row: Mapping[str, Any], method: str) -> str | None:
+    """``method``'s first and median tower call in a row, in milliseconds, or None."""
+    first, median = row.get(f"{method}_first_call_s"), row.get(f"{method}_median_call_s")
+    if first is None or median is None:
+        return None
+    return f"{method} {first * 1e3:.2f} / {median * 1e3:.2f} ms"

@@ -1,9 +1,12 @@
 """bench.trainer.rows: the median of repeated runs, and the one-line description of a row."""
 
-import pytest
+from types import SimpleNamespace
 
-from bench.trainer.module import RunRecord
-from bench.trainer.rows import describe, median_runs, repeat_fields
+import pytest
+import torch
+
+from bench.trainer.module import RunClock, RunRecord
+from bench.trainer.rows import describe, median_runs, predict_rows, repeat_fields
 from bench.trainer.runs import PredictRun
 
 
@@ -53,3 +56,34 @@ def test_repeat_fields_list_every_repeat_per_method_in_order():
         "eager_tower_s_repeats": [0.4, 0.7],
         "callback_tower_s_repeats": [0.2, 0.2],
     }
+
+
+def test_a_run_clock_records_the_first_and_the_median_tower_call():
+    clock = RunClock()
+    module = SimpleNamespace(device=torch.device("cpu"))
+    clock.on_predict_start(None, module)
+    # What UserModule's timed tower calls leave behind: a slow first call.
+    module.tower_seconds, module.tower_calls = 0.9, 4
+    module.tower_call_seconds = [0.6, 0.1, 0.05, 0.15]
+    clock.on_predict_end(None, module)
+    (record,) = clock.records
+    assert (record.tower_s, record.calls) == (0.9, 4)
+    assert (record.first_call_s, record.median_call_s) == (0.6, 0.125)
+    clock.on_predict_start(None, module)
+    clock.on_predict_end(None, module)  # a run without tower calls
+    assert clock.records[1].first_call_s is None and clock.records[1].median_call_s is None
+
+
+def test_predict_rows_carry_each_methods_first_and_median_call():
+    def timed_runs(first_call: float, median_call: float) -> dict[str, PredictRun]:
+        record = RunRecord(0.5, 0.6, 10, 0, 0.0, first_call_s=first_call, median_call_s=median_call)
+        return {"first": PredictRun(record, 0.6, []), "second": PredictRun(record, 0.6, [])}
+
+    repeats = {"eager": [timed_runs(0.07, 0.05)], "callback": [timed_runs(0.3, 0.02)]}
+    first, _ = predict_rows("vit_b_16/batch_8", 10, 80, repeats)
+    assert (first["eager_first_call_s"], first["eager_median_call_s"]) == (0.07, 0.05)
+    assert (first["callback_first_call_s"], first["callback_median_call_s"]) == (0.3, 0.02)
+    assert first["compile_first_call_s"] is None
+    assert "calls (first / median): eager 70.00 / 50.00 ms, callback 300.00 / 20.00 ms" in describe(
+        first
+    )
