@@ -10,10 +10,11 @@ once it has been seen ``min_sightings`` times and
 where the expected sightings are the key's share of its path's sub-batches so
 far times the sub-batches of the calls a graph captured now is expected to
 serve (:meth:`CapturePolicy.horizon_calls`): the rest of the run (when the
-caller knows how many calls the run has; otherwise as many again as so far)
-and, as graphs outlive the run, ``repay_runs - 1`` more runs like it, or the
-runs known to follow (a fit's validation runs still to come) when they are
-more. ``compile="auto"`` weighs its compile over the same horizon.
+caller knows how many calls the run has; otherwise of a run as long as the last
+one, and at least as many calls again as so far) and, as graphs outlive the
+run, ``repay_runs - 1`` more runs like it, or the runs known to follow (a fit's
+validation runs still to come) when they are more. ``compile="auto"`` weighs
+its compile over the same horizon.
 
 A capture repaid over later runs makes the current one slower, so a run also
 keeps an allowance: a key is captured only when what its capture costs beyond
@@ -57,7 +58,8 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+
+from lightning_cg.key_record import KeyRecord
 
 #: Graph time / eager time of a full budget, assumed for a path none of whose
 #: keys is measured.
@@ -78,45 +80,6 @@ RUN_SLACK = 0.03
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
-
-
-@dataclass
-class _KeyRecord:
-    path: str
-    size: int
-    sightings: int = 0
-    real_tokens: int = 0
-    eager_seconds_per_token: list[float] = field(default_factory=list)
-    graph_seconds: list[float] = field(default_factory=list)
-    capture_seconds: float | None = None
-    # The medians of the two lists, kept as samples arrive: every sighting reads them.
-    median_eager_per_token: float | None = None
-    graph: float | None = None
-
-    @property
-    def eager(self) -> float | None:
-        """Eager seconds of a sub-batch of the key's mean real tokens."""
-        if self.median_eager_per_token is None or not self.sightings:
-            return None
-        return self.median_eager_per_token * self.real_tokens / self.sightings
-
-    def add_eager(self, seconds_per_token: float) -> None:
-        self.eager_seconds_per_token.append(seconds_per_token)
-        self.median_eager_per_token = statistics.median(self.eager_seconds_per_token)
-
-    def add_graph(self, seconds: float) -> None:
-        self.graph_seconds.append(seconds)
-        self.graph = statistics.median(self.graph_seconds)
-
-    def forget_graph(self) -> None:
-        self.graph_seconds.clear()
-        self.graph = None
-        self.capture_seconds = None
-
-    @property
-    def padding_factor(self) -> float:
-        """Budget / mean real tokens: how much more a graph computes than eager."""
-        return self.size * self.sightings / max(self.real_tokens, 1)
 
 
 class CapturePolicy:
@@ -152,7 +115,7 @@ class CapturePolicy:
         self.min_sightings = min_sightings
         self.drop_slower_graphs = drop_slower_graphs
         self.graphs_fuse_work = graphs_fuse_work
-        self._keys: dict[Hashable, _KeyRecord] = {}
+        self._keys: dict[Hashable, KeyRecord] = {}
         # Up to two real-token counts per path: two tell that its sizes vary.
         self._path_token_counts: dict[str, set[int]] = {}
         self._path_eager_calls: dict[str, list[tuple[int, float]]] = {}
@@ -161,6 +124,8 @@ class CapturePolicy:
         self._fitted_lines: dict[str, tuple[int, tuple[float, float] | None]] = {}
         self._calls = 0
         self._run_calls = 0
+        # Calls of the last run that ended: a run of unknown length is expected as long.
+        self._last_run_calls = 0
         # This run's eager seconds of the sub-batches seen, replays' savings, captures.
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
         self._expected_calls: int | None = None
@@ -172,6 +137,8 @@ class CapturePolicy:
     def begin_run(self, expected_calls: int | None, later_runs: int | None = None) -> None:
         """A run starts that will call the tower about ``expected_calls`` times and
         that ``later_runs`` runs like it are known to follow (None: unknown)."""
+        if self._run_calls:
+            self._last_run_calls = self._run_calls
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
@@ -186,7 +153,7 @@ class CapturePolicy:
     def sighted(self, key: Hashable, path: str, size: int, tokens: int) -> None:
         """A sub-batch of ``path`` with ``tokens`` real tokens needs ``key`` (a graph
         of ``size`` tokens), whether or not the key has a graph yet."""
-        record = self._keys.setdefault(key, _KeyRecord(path, size))
+        record = self._keys.setdefault(key, KeyRecord(path, size))
         record.sightings += 1
         record.real_tokens += tokens
         eager = record.eager
@@ -263,7 +230,7 @@ class CapturePolicy:
         record = self._keys.get(key)
         return record is not None and self._slower(record)
 
-    def _slower(self, record: _KeyRecord) -> bool:
+    def _slower(self, record: KeyRecord) -> bool:
         if not self.drop_slower_graphs or record.eager is None:
             return False
         return len(record.graph_seconds) >= SAMPLES and record.graph > record.eager
@@ -281,9 +248,11 @@ class CapturePolicy:
         }
 
     def remaining_calls(self) -> int:
-        """Calls the run still expects; when unknown, as many again as so far."""
+        """Calls the run still expects. When its length is unknown: the rest of a
+        run as long as the last one, and at least as many again as this run has
+        made so far; like the horizon, the estimate does not grow with the runs made."""
         if self._expected_calls is None:
-            return self._calls
+            return max(self._last_run_calls - self._run_calls, self._run_calls)
         return max(self._expected_calls - self._run_calls, 0)
 
     def run_calls(self) -> int:
@@ -319,14 +288,14 @@ class CapturePolicy:
         run_eager = self._run_eager_seconds * self.run_calls() / max(self._run_calls, 1)
         return RUN_SLACK * run_eager + self._run_saved_seconds - self._run_capture_seconds
 
-    def _expected_sightings(self, record: _KeyRecord) -> float:
+    def _expected_sightings(self, record: KeyRecord) -> float:
         return self._sightings_per_call(record) * self.horizon_calls()
 
-    def _sightings_per_call(self, record: _KeyRecord) -> float:
+    def _sightings_per_call(self, record: KeyRecord) -> float:
         """The key's sightings per call so far, over every run."""
         return record.sightings / max(self._calls, 1)
 
-    def _graph_ratio(self, record: _KeyRecord) -> float:
+    def _graph_ratio(self, record: KeyRecord) -> float:
         """Graph / eager time of ``record``'s key at its mean real tokens: measured,
         or estimated from the nearest-sized measured key of the path (or the prior)
         as cost per padded token, scaled by this key's padding."""

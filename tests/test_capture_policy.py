@@ -177,6 +177,30 @@ def test_without_a_horizon_a_key_is_captured_once_its_past_would_have_repaid_it(
     assert [see(default, "a", eager_s=0.01) for _ in range(10)].index(CAPTURE) == 9
 
 
+def test_runs_of_unknown_length_are_expected_as_long_as_the_last_one():
+    policy = CapturePolicy()
+    policy.begin_run(expected_calls=None)
+    for _ in range(10):
+        policy.called()
+    assert policy.remaining_calls() == 10  # the first run: as many again as so far
+    policy.begin_run(expected_calls=None)
+    assert policy.remaining_calls() == 10  # as long as the last run
+    for _ in range(4):
+        policy.called()
+    assert policy.remaining_calls() == 6
+    horizon = policy.horizon_calls()
+    for _ in range(3):  # runs of the same length: the same estimate, however many came before
+        for _ in range(6):
+            policy.called()
+        policy.begin_run(expected_calls=None)
+        for _ in range(4):
+            policy.called()
+        assert policy.horizon_calls() == horizon
+    for _ in range(20):
+        policy.called()
+    assert policy.remaining_calls() == 24  # longer than the last run: as many again
+
+
 def test_a_rare_key_among_frequent_ones_waits():
     policy = CapturePolicy(min_sightings=2)
     policy.begin_run(expected_calls=40)
