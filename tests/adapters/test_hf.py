@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from lightning.pytorch import LightningModule  # noqa: E402
 from output_checks import assert_same_output as same_output  # noqa: E402
 from test_callback import trainer  # noqa: E402
+from test_compile_regions import GraphCounter  # noqa: E402
 
 from lightning_cg.adapters import adapter_for  # noqa: E402
 from lightning_cg.adapters.batched import IMAGE_PATH  # noqa: E402
@@ -233,17 +234,6 @@ def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     x = torch.randn(3, 3, 32, 32)
     assert_same_output(execute(manager, x), eager(tower, x))
-
-
-class GraphCounter:
-    """A ``torch.compile`` backend that runs the traced graph as it is and counts the graphs."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list):
-        self.graphs += 1
-        return graph_module.forward
 
 
 def test_compiled_layers_leave_calls_that_collect_attentions_uncompiled():

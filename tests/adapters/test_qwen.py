@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from test_compile_regions import GraphCounter
 from torch.utils.data import DataLoader
 
 from lightning_cg.adapters import adapter_for
@@ -148,16 +149,21 @@ def test_random_batch_compositions_equal_the_towers_forward(kind, compositions):
     assert manager.stats.hits > 0
 
 
-class CompileCounter:
-    """A ``torch.compile`` backend that runs the graph dynamo traced as it is
-    (no code generated) and counts the graphs."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list):
-        self.graphs += 1
-        return graph_module.forward
+def compiled_blocks_manager(tower) -> tuple[EncoderGraphManager, GraphCounter]:
+    """A manager over ``tower``'s blocks compiled once (by a backend that counts
+    its graphs), with small budgets, capturing at first use; ``manager.encoder``
+    is that compiling wrapper (``compile=False``: the manager adds none of its own)."""
+    backend = GraphCounter()
+    encoder = CompiledEncoder(adapter_for(tower), backend=backend, scope="blocks")
+    manager = EncoderGraphManager(
+        encoder,
+        budgets=BUDGETS,
+        max_items_per_batch=4,
+        max_frames_per_batch=6,
+        capture="first_use",
+        compile=False,
+    )
+    return manager, backend
 
 
 def patches_of(grid: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,12 +180,8 @@ def test_compiled_blocks_equal_the_towers_forward_and_compile_once(kind):
     # other towers' tests would count towards its limit of compiles per code object.
     torch._dynamo.reset()
     tower = tiny_tower(kind)
-    backend = CompileCounter()
-    encoder = CompiledEncoder(adapter_for(tower), backend=backend, scope="blocks")
-    assert encoder.compiled_blocks.blocks == list(tower.blocks)
-    manager = EncoderGraphManager(
-        encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
-    )
+    manager, backend = compiled_blocks_manager(tower)
+    assert manager.encoder.compiled_blocks.blocks == list(tower.blocks)
     # Budget 8, whose 32 patch rows equal the hidden width, in a graph of one
     # frame, then budget 16 with two items (a video among them) and with one.
     for grid in ([(1, 4, 8)], [(2, 4, 4), (1, 2, 6)], [(1, 8, 8)]):
@@ -200,11 +202,7 @@ def test_calls_that_collect_attentions_capture_the_uncompiled_forward(kind):
     # dynamo guards: one compiled block would compile again for every block.
     torch._dynamo.reset()
     tower = tiny_tower(kind)
-    backend = CompileCounter()
-    encoder = CompiledEncoder(adapter_for(tower), backend=backend, scope="blocks")
-    manager = EncoderGraphManager(
-        encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
-    )
+    manager, backend = compiled_blocks_manager(tower)
     calls = [([(1, 4, 8)], {}), ([(1, 4, 8)], {"output_attentions": True})]
     calls += [([(2, 4, 4), (1, 2, 6)], {"output_attentions": True}), ([(1, 8, 8)], {})]
     for grid, options in calls:
@@ -222,11 +220,7 @@ def test_a_config_that_collects_attentions_leaves_the_blocks_uncompiled():
     tower = tiny_tower("qwen2_vl")
     tower.config._attn_implementation = "eager"  # sdpa refuses output_attentions
     tower.config.output_attentions = True  # asked for by the config, not the call
-    backend = CompileCounter()
-    encoder = CompiledEncoder(adapter_for(tower), backend=backend, scope="blocks")
-    manager = EncoderGraphManager(
-        encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
-    )
+    manager, backend = compiled_blocks_manager(tower)
     hidden_states, grid_thw = patches_of([(1, 4, 8)])
     actual = graphed(manager, hidden_states, grid_thw)
     assert_outputs_equal(actual, eager(tower, hidden_states, grid_thw), atol=1e-5, rtol=1e-5)
