@@ -49,6 +49,15 @@ does not bound it; the prior stands in until a graph of the path is measured.
 Before anything is measured, :data:`PRIOR_GRAPH_RATIO` and
 :data:`PRIOR_CAPTURE_RATIO` stand in.
 
+The eager line cannot see GPU work hidden behind slower launches: an eager
+call costs the longer of the two, not their sum. Where the caller can measure
+it (``measures_gpu_work``: CUDA), a key's capture therefore waits for a probe
+of the GPU's work alone on the key's sub-batches (:mod:`lightning_cg.gpu_work`),
+asked for only once a capture could pay even if its graph cost nothing; the
+graph is then expected to cost that work per token times its budget, ahead of
+any other estimate but the key's own measured graph. Compiled graphs are again
+the exception.
+
 After capture a key's replays are timed too; a graph measured slower than the
 key's eager runs sends the key back to eager. Timings come from the caller
 (CUDA events or a clock): this module is pure Python.
@@ -59,6 +68,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Hashable
 
+from lightning_cg.eager_line import fit_line
+from lightning_cg.gpu_work import GpuWork
 from lightning_cg.key_record import KeyRecord
 
 #: Graph time / eager time of a full budget, assumed for a path none of whose
@@ -93,6 +104,8 @@ class CapturePolicy:
             cost per token does not bound theirs.
         repay_runs: runs like the current one, counting it, over which a capture
             (and a compile) may be repaid.
+        measures_gpu_work: the caller can probe a key's GPU work alone
+            (:mod:`lightning_cg.gpu_work`), so captures wait for a probe.
 
     Example:
         >>> policy = CapturePolicy(min_sightings=2)
@@ -109,8 +122,11 @@ class CapturePolicy:
         drop_slower_graphs: bool = True,
         graphs_fuse_work: bool = False,
         repay_runs: int = 2,
+        measures_gpu_work: bool = False,
     ) -> None:
         self.first_use = first_use
+        self.measures_gpu_work = measures_gpu_work
+        self.gpu_work = GpuWork()
         self.repay_runs = repay_runs
         self.min_sightings = min_sightings
         self.drop_slower_graphs = drop_slower_graphs
@@ -186,6 +202,18 @@ class CapturePolicy:
         if len(samples) < PATH_SAMPLES:
             samples.append((tokens, seconds))
 
+    def wants_gpu_work(self, key: Hashable) -> bool:
+        """Whether the next eager sub-batch of ``key`` should probe its GPU work."""
+        return self.gpu_work.wanted(key)
+
+    def probing_gpu_work(self, key: Hashable) -> None:
+        """An eager sub-batch of ``key`` runs in a probe of its GPU work."""
+        self.gpu_work.probing(key)
+
+    def record_gpu_work(self, key: Hashable, tokens: int, seconds: float) -> None:
+        """A probe measured ``seconds`` of GPU work for ``tokens`` real tokens of ``key``."""
+        self.gpu_work.record(key, tokens, seconds)
+
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
         self._keys[key].add_graph(seconds)
@@ -212,18 +240,25 @@ class CapturePolicy:
         record = self._keys[key]
         if record.sightings < self.min_sightings or record.eager is None:
             return WAIT
-        if self._awaiting_eager_line(record.path):
+        # Not even a graph that cost nothing would be repaid: no estimate needed.
+        if not self._repaid(record, gain=record.eager):
             return WAIT
-        gain = record.eager * (1.0 - self._graph_ratio(record))
+        if self._awaiting_gpu_work(key, record) or self._awaiting_eager_line(record.path):
+            return WAIT
+        gain = record.eager * (1.0 - self._graph_ratio(key, record))
         if gain <= 0:
             return NO_GAIN
+        return CAPTURE if self._repaid(record, gain) else WAIT
+
+    def _repaid(self, record: KeyRecord, gain: float) -> bool:
+        """Whether a capture of ``record``'s key saving ``gain`` seconds a sighting is
+        repaid over the horizon, the part only runs which may never come repay
+        fitting this run's allowance."""
         cost = record.eager * self._capture_ratio(record.path)
         if self._expected_sightings(record) * gain < cost:
-            return WAIT
-        # The part of the cost that only runs which may never come repay must
-        # fit this run's allowance.
+            return False
         unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * gain
-        return CAPTURE if unpaid <= self.run_allowance() else WAIT
+        return unpaid <= self.run_allowance()
 
     def slower_than_eager(self, key: Hashable) -> bool:
         """Whether ``key``'s graph was measured slower than its eager runs."""
@@ -242,7 +277,7 @@ class CapturePolicy:
             "sightings": record.sightings,
             "eager_s": record.eager,
             "graph_s": record.graph,
-            "graph_ratio": self._graph_ratio(record),
+            "graph_ratio": self._graph_ratio(key, record),
             "capture_ratio": self._capture_ratio(record.path),
             "expected_sightings": self._expected_sightings(record),
         }
@@ -295,12 +330,16 @@ class CapturePolicy:
         """The key's sightings per call so far, over every run."""
         return record.sightings / max(self._calls, 1)
 
-    def _graph_ratio(self, record: KeyRecord) -> float:
-        """Graph / eager time of ``record``'s key at its mean real tokens: measured,
-        or estimated from the nearest-sized measured key of the path (or the prior)
+    def _graph_ratio(self, key: Hashable, record: KeyRecord) -> float:
+        """Graph / eager time of ``key`` at its mean real tokens: measured; or its
+        probed GPU work per token times its budget; or estimated from the
+        nearest-sized measured key of the path (or the eager line, or the prior)
         as cost per padded token, scaled by this key's padding."""
         if record.graph is not None and record.eager:
             return record.graph / record.eager
+        gpu_per_token = None if self.graphs_fuse_work else self.gpu_work.per_token(key)
+        if gpu_per_token is not None and record.eager:
+            return gpu_per_token * record.size / record.eager
         measured = [
             (abs(other.size - record.size), other.graph / other.eager / other.padding_factor)
             for other in self._keys.values()
@@ -318,8 +357,9 @@ class CapturePolicy:
         """Whether the path's first capture should wait for its eager cost line:
         its sub-batches differ in real tokens (a line can be fitted; keys of one
         budget differ too), nothing of it is measured as a graph, the line
-        cannot be fitted yet, and fewer than :data:`FIT_PATIENCE` eager calls are
-        timed (their timings arrive a call late, and the prior would decide)."""
+        cannot be fitted yet, and fewer than
+        :data:`FIT_PATIENCE` eager calls are timed (their timings arrive a call
+        late, and the prior would decide)."""
         if self.graphs_fuse_work or len(self._path_token_counts.get(path, ())) < 2:
             return False
         records = [record for record in self._keys.values() if record.path == path]
@@ -328,13 +368,21 @@ class CapturePolicy:
         samples = self._path_eager_calls.get(path, [])
         return self._eager_line(path) is None and len(samples) < FIT_PATIENCE
 
+    def _awaiting_gpu_work(self, key: Hashable, record: KeyRecord) -> bool:
+        """Whether the key's capture should wait for a probe of its GPU work: the
+        caller can probe, graphs do not fuse work, and a probe may still come
+        (asked for here)."""
+        if not self.measures_gpu_work or self.graphs_fuse_work:
+            return False
+        return self.gpu_work.per_token(key) is None and self.gpu_work.want(key)
+
     def _eager_line(self, path: str) -> tuple[float, float] | None:
         """``(fixed, per_token)`` seconds of the path's eager calls, fitted by least
         squares; None with fewer than two sizes or a slope the noise made negative."""
         samples = self._path_eager_calls.get(path, [])
         fitted = self._fitted_lines.get(path)
         if fitted is None or fitted[0] != len(samples):
-            fitted = len(samples), _fit_line(samples)
+            fitted = len(samples), fit_line(samples)
             self._fitted_lines[path] = fitted
         return fitted[1]
 
@@ -345,20 +393,3 @@ class CapturePolicy:
             if other.path == path and other.capture_seconds is not None and other.eager
         ]
         return statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO
-
-
-def _fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)`` samples; None
-    with fewer than two sizes or a negative slope."""
-    if len({tokens for tokens, _ in samples}) < 2:
-        return None
-    mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
-    mean_seconds = statistics.fmean(seconds for _, seconds in samples)
-    spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
-    per_token = (
-        sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
-        / spread
-    )
-    if per_token <= 0:
-        return None
-    return max(mean_seconds - per_token * mean_tokens, 0.0), per_token
