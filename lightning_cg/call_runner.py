@@ -23,6 +23,7 @@ from lightning_cg.capture import GraphCapturer
 from lightning_cg.capture_policy import CapturePolicy
 from lightning_cg.config import GraphConfig
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
+from lightning_cg.gpu_work import HOLD_MARGIN
 from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.memo import StateMemo
 from lightning_cg.outputs import CallOutputs
@@ -38,11 +39,8 @@ from lightning_cg.replay import (
 from lightning_cg.routing import Route, Router, SubBatch
 from lightning_cg.stats import GraphStats
 
-#: A probe of the GPU's work holds the GPU this many times the launch time of the
-#: path's last timed eager call: launches vary from call to call.
-GPU_HOLD_MARGIN = 1.5
-#: The longest hold of a probe, in seconds.
-MAX_GPU_HOLD_SECONDS = 0.5
+#: The longest hold of a probe of the GPU's work, in seconds.
+MAX_HOLD_SECONDS = 0.1
 
 
 class CallRunner:
@@ -79,7 +77,7 @@ class CallRunner:
         self.stats = stats
         self.padding_rules = padding_rules
         self.timer = CallTimer()
-        #: Host seconds the last timed eager call of each path took to launch.
+        #: Host seconds the fastest timed eager call of each path took to launch.
         self._launch_seconds: dict[str, float] = {}
         #: Sub-batches by call shape; shared lists, never changed.
         self._packings: StateMemo[list[list[int]]] = StateMemo()
@@ -209,18 +207,21 @@ class CallRunner:
 
         for route in routes:
             self.policy.probing_gpu_work(route.key)
-        hold = min(GPU_HOLD_MARGIN * launch, MAX_GPU_HOLD_SECONDS)
+        hold = min(HOLD_MARGIN * launch, MAX_HOLD_SECONDS)
         with self.timer.timed(record, hold_gpu_seconds=hold) as timing:
             timing.on_cuda = self._run_eagerly(call, sub_batch)
-        # A probe whose launches outlasted the hold records nothing: the next one holds longer.
+        if not timing.recorded:
+            for route in routes:
+                self.policy.gpu_work_unmeasured(route.key)
         self._note_launch({route.key.path: route.tokens for route in routes}, timing.host_seconds)
         return True
 
     def _note_launch(self, path_tokens: Mapping[str, int], seconds: float) -> None:
-        """An eager call of the paths with tokens took ``seconds`` to launch."""
+        """An eager call of the paths with tokens took ``seconds`` to launch; the
+        fastest launch is kept (a first call's launches include one-time work)."""
         for path, tokens in path_tokens.items():
             if tokens:
-                self._launch_seconds[path] = seconds
+                self._launch_seconds[path] = min(seconds, self._launch_seconds.get(path, seconds))
 
     def _run_route(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
         if route.parts:

@@ -29,10 +29,12 @@ CALIBRATION_CYCLES = 2_000_000
 @dataclass
 class Timing:
     """Set by a timed body: whether its work ran on the GPU (events time it); and,
-    once it ends, its host seconds: how long it took to launch its work."""
+    once it ends, its host seconds (how long it took to launch its work) and
+    whether it is recorded (a held run may not be)."""
 
     on_cuda: bool = False
     host_seconds: float = 0.0
+    recorded: bool = False
 
 
 class CallTimer:
@@ -66,6 +68,7 @@ class CallTimer:
         timing.host_seconds = time.perf_counter() - started
         if hold and (start is None or not timing.on_cuda or timing.host_seconds > hold_gpu_seconds):
             return
+        timing.recorded = True
         if start is None or not timing.on_cuda:
             record(timing.host_seconds)
             return

@@ -53,10 +53,12 @@ The eager line cannot see GPU work hidden behind slower launches: an eager
 call costs the longer of the two, not their sum. Where the caller can measure
 it (``measures_gpu_work``: CUDA), a key's capture therefore waits for a probe
 of the GPU's work alone on the key's sub-batches (:mod:`lightning_cg.gpu_work`),
-asked for only once a capture could pay even if its graph cost nothing; the
-graph is then expected to cost that work per token times its budget, ahead of
-any other estimate but the key's own measured graph. Compiled graphs are again
-the exception.
+asked for only once a capture could pay even if its graph cost nothing, and
+only while the run's allowance holds what the probe may cost
+(:data:`~lightning_cg.gpu_work.HOLD_MARGIN` eager runs of the key, charged as
+it runs); the graph is then expected to cost that work per token times its
+budget, ahead of any other estimate but the key's own measured graph.
+Compiled graphs are again the exception.
 
 After capture a key's replays are timed too; a graph measured slower than the
 key's eager runs sends the key back to eager. Timings come from the caller
@@ -69,7 +71,7 @@ import statistics
 from collections.abc import Hashable
 
 from lightning_cg.eager_line import fit_line
-from lightning_cg.gpu_work import GpuWork
+from lightning_cg.gpu_work import HOLD_MARGIN, GpuWork
 from lightning_cg.key_record import KeyRecord
 
 #: Graph time / eager time of a full budget, assumed for a path none of whose
@@ -144,6 +146,7 @@ class CapturePolicy:
         self._last_run_calls = 0
         # This run's eager seconds of the sub-batches seen, replays' savings, captures.
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
+        self._run_probe_seconds = 0.0
         self._expected_calls: int | None = None
         self._later_runs = repay_runs - 1
         self._known_later_runs = 0
@@ -158,6 +161,7 @@ class CapturePolicy:
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
+        self._run_probe_seconds = 0.0
         self._known_later_runs = later_runs or 0
         self._later_runs = max(self.repay_runs - 1, self._known_later_runs)
 
@@ -207,12 +211,19 @@ class CapturePolicy:
         return self.gpu_work.wanted(key)
 
     def probing_gpu_work(self, key: Hashable) -> None:
-        """An eager sub-batch of ``key`` runs in a probe of its GPU work."""
-        self.gpu_work.probing(key)
+        """An eager sub-batch of ``key`` runs in a probe of its GPU work: the run
+        pays up to :data:`~lightning_cg.gpu_work.HOLD_MARGIN` eager runs of it."""
+        record = self._keys.get(key)
+        if record is not None and record.eager is not None:
+            self._run_probe_seconds += HOLD_MARGIN * record.eager
 
     def record_gpu_work(self, key: Hashable, tokens: int, seconds: float) -> None:
         """A probe measured ``seconds`` of GPU work for ``tokens`` real tokens of ``key``."""
         self.gpu_work.record(key, tokens, seconds)
+
+    def gpu_work_unmeasured(self, key: Hashable) -> None:
+        """A probe of ``key`` measured nothing: its path is not probed again."""
+        self.gpu_work.unmeasured(key)
 
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
@@ -310,18 +321,20 @@ class CapturePolicy:
         return self.remaining_calls() + self._known_later_runs * self.run_calls()
 
     def run_allowance(self) -> float:
-        """Seconds captures or the compile may still cost this run beyond what the
-        calls known to come repay (:meth:`committed_calls`):
+        """Seconds captures, probes or the compile may still cost this run beyond
+        what the calls known to come repay (:meth:`committed_calls`):
         :data:`RUN_SLACK` of the run's estimated eager time (the eager time of its
         sub-batches so far, scaled to :meth:`run_calls`), plus what its replays
-        saved (eager less measured graph time), less its capture seconds.
+        saved (eager less measured graph time), less its capture seconds and
+        what its probes may have cost.
 
         Sub-batches count at the estimates known when they were seen: those of a
         key not timed yet count nothing, nor do replays before their graph is
         timed, which errs on the side of eager.
         """
         run_eager = self._run_eager_seconds * self.run_calls() / max(self._run_calls, 1)
-        return RUN_SLACK * run_eager + self._run_saved_seconds - self._run_capture_seconds
+        spent = self._run_capture_seconds + self._run_probe_seconds
+        return RUN_SLACK * run_eager + self._run_saved_seconds - spent
 
     def _expected_sightings(self, record: KeyRecord) -> float:
         return self._sightings_per_call(record) * self.horizon_calls()
@@ -370,11 +383,15 @@ class CapturePolicy:
 
     def _awaiting_gpu_work(self, key: Hashable, record: KeyRecord) -> bool:
         """Whether the key's capture should wait for a probe of its GPU work: the
-        caller can probe, graphs do not fuse work, and a probe may still come
-        (asked for here)."""
+        caller can probe, graphs do not fuse work, the run's allowance holds the
+        probe, and one may still come (asked for here)."""
         if not self.measures_gpu_work or self.graphs_fuse_work:
             return False
-        return self.gpu_work.per_token(key) is None and self.gpu_work.want(key)
+        if self.gpu_work.per_token(key) is not None:
+            return False
+        if HOLD_MARGIN * record.eager > self.run_allowance():
+            return False
+        return self.gpu_work.want(key, record.path)
 
     def _eager_line(self, path: str) -> tuple[float, float] | None:
         """``(fixed, per_token)`` seconds of the path's eager calls, fitted by least

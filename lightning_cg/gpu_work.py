@@ -16,18 +16,25 @@ queue up behind it and then run back to back, and CUDA events around them time
 the GPU's work alone. Keys are probed on their own sub-batches, whose real
 tokens lie close below the key's budget: the GPU's work per token differs
 with the size (a small sub-batch pays each kernel's fixed cost on few
-tokens), so one key's probe would misjudge another's budget. :class:`GpuWork`
-keeps which keys the capture policy wants probed and what the probes
-measured. Pure Python.
+tokens), so one key's probe would misjudge another's budget.
+
+A probe costs about its hold, :data:`HOLD_MARGIN` eager calls at most, which
+the capture policy charges to the run's allowance. It measures nothing when
+the launches outlast the hold: when they vary more than the margin, or when
+the call launches more kernels than CUDA queues (about a thousand) and the
+host waits for the held GPU. A path whose probe measured nothing is not
+probed again. :class:`GpuWork` keeps which keys the capture policy wants
+probed, what the probes measured, and the paths that cannot be probed. Pure
+Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
-#: Probes of one key before its estimate is left to the other evidence: a probe
-#: measures nothing when the host launched for longer than the hold.
-MAX_PROBES = 3
+#: A probe holds the GPU this many times the launch time of an eager call of
+#: its path (launches vary from call to call); it costs at most as many eager calls.
+HOLD_MARGIN = 1.5
 
 
 class GpuWork:
@@ -35,9 +42,8 @@ class GpuWork:
 
     Example:
         >>> work = GpuWork()
-        >>> work.want("key")
+        >>> work.want("key", path="local")
         True
-        >>> work.probing("key")
         >>> work.record("key", tokens=1000, seconds=0.002)
         >>> work.per_token("key")
         2e-06
@@ -45,31 +51,34 @@ class GpuWork:
 
     def __init__(self) -> None:
         self._per_token: dict[Hashable, float] = {}
-        self._wanted: set[Hashable] = set()
-        self._probes: dict[Hashable, int] = {}
+        self._wanted: dict[Hashable, str] = {}
+        self._unprobeable: set[str] = set()
 
     def per_token(self, key: Hashable) -> float | None:
         """The GPU's seconds per real token of ``key``, or None before a probe measured it."""
         return self._per_token.get(key)
 
-    def want(self, key: Hashable) -> bool:
-        """Ask for a probe of ``key``; whether one may still come (not yet measured,
-        fewer than :data:`MAX_PROBES` tried)."""
-        if key in self._per_token or self._probes.get(key, 0) >= MAX_PROBES:
-            self._wanted.discard(key)
+    def want(self, key: Hashable, path: str) -> bool:
+        """Ask for a probe of ``key`` (of ``path``); whether one may come: not yet
+        measured, and ``path`` not found unprobeable."""
+        if key in self._per_token or path in self._unprobeable:
             return False
-        self._wanted.add(key)
+        self._wanted[key] = path
         return True
 
     def wanted(self, key: Hashable) -> bool:
         """Whether the next eager sub-batch of ``key`` should be probed."""
-        return key in self._wanted and self._probes.get(key, 0) < MAX_PROBES
-
-    def probing(self, key: Hashable) -> None:
-        """An eager sub-batch of ``key`` runs in a probe."""
-        self._probes[key] = self._probes.get(key, 0) + 1
+        return key in self._wanted
 
     def record(self, key: Hashable, tokens: int, seconds: float) -> None:
         """A probe measured ``seconds`` of GPU work for ``tokens`` real tokens of ``key``."""
         self._per_token[key] = seconds / max(tokens, 1)
-        self._wanted.discard(key)
+        self._wanted.pop(key, None)
+
+    def unmeasured(self, key: Hashable) -> None:
+        """A probe of ``key`` measured nothing: its path is not probed again."""
+        path = self._wanted.pop(key, None)
+        if path is not None:
+            self._unprobeable.add(path)
+            for other in [other for other, of in self._wanted.items() if of == path]:
+                del self._wanted[other]

@@ -8,28 +8,32 @@ import torch
 from test_capture_policy import run_calls, see, toy_manager
 
 from lightning_cg.call_timer import CallTimer, Timing
-from lightning_cg.capture_policy import CAPTURE, NO_GAIN, PRIOR_GRAPH_RATIO, WAIT, CapturePolicy
-from lightning_cg.gpu_work import MAX_PROBES, GpuWork
+from lightning_cg.capture_policy import (
+    CAPTURE,
+    NO_GAIN,
+    PRIOR_GRAPH_RATIO,
+    RUN_SLACK,
+    WAIT,
+    CapturePolicy,
+)
+from lightning_cg.gpu_work import HOLD_MARGIN, GpuWork
 
 
 def test_a_key_is_wanted_until_a_probe_measures_it():
     work = GpuWork()
     assert not work.wanted("a")
-    assert work.want("a") and work.wanted("a") and not work.wanted("b")
-    work.probing("a")
-    assert work.wanted("a")  # the probe measured nothing yet
+    assert work.want("a", path="local") and work.wanted("a") and not work.wanted("b")
     work.record("a", tokens=500, seconds=0.001)
     assert work.per_token("a") == pytest.approx(2e-6)
-    assert not work.wanted("a") and not work.want("a")
+    assert not work.wanted("a") and not work.want("a", path="local")
 
 
-def test_a_key_is_no_longer_wanted_after_max_probes():
+def test_a_path_whose_probe_measured_nothing_is_not_probed_again():
     work = GpuWork()
-    assert work.want("a")
-    for _ in range(MAX_PROBES):
-        assert work.wanted("a")
-        work.probing("a")
-    assert not work.wanted("a") and not work.want("a")
+    assert work.want("a", "local") and work.want("b", "local") and work.want("c", "global")
+    work.unmeasured("a")
+    assert not work.wanted("a") and not work.wanted("b") and work.wanted("c")
+    assert not work.want("d", "local") and work.want("e", "global")
     assert work.per_token("a") is None
 
 
@@ -71,14 +75,31 @@ def test_no_probe_is_asked_for_when_not_even_a_free_graph_would_pay():
     assert not policy.wants_gpu_work("a")
 
 
-def test_without_a_measurement_the_estimate_falls_back_after_max_probes():
+def test_a_probe_that_measured_nothing_leaves_the_estimate_to_the_prior():
     policy = probing_policy()
     see(policy, "a", eager_s=0.004)
-    for _ in range(MAX_PROBES):
-        assert see(policy, "a") == WAIT
-        policy.probing_gpu_work("a")
+    assert see(policy, "a") == WAIT and policy.wants_gpu_work("a")
+    policy.probing_gpu_work("a")
+    policy.gpu_work_unmeasured("a")
     assert see(policy, "a") == CAPTURE
     assert policy.estimates("a")["graph_ratio"] == pytest.approx(PRIOR_GRAPH_RATIO)
+
+
+def test_a_probe_is_paid_from_the_run_allowance():
+    # A 20-call run repays a capture itself, but its allowance (3% of 80 ms)
+    # cannot hold a probe (1.5 eager runs, 6 ms): the prior decides at once.
+    assert HOLD_MARGIN * 0.004 > RUN_SLACK * 20 * 0.004
+    policy = probing_policy(expected_calls=20)
+    see(policy, "a", eager_s=0.004)
+    assert see(policy, "a") == CAPTURE
+    assert not policy.wants_gpu_work("a")
+    # A long run can hold it, and what the probe may cost is taken from the allowance.
+    policy = probing_policy(expected_calls=1000)
+    see(policy, "a", eager_s=0.004)
+    assert see(policy, "a") == WAIT
+    allowance = policy.run_allowance()
+    policy.probing_gpu_work("a")
+    assert policy.run_allowance() == pytest.approx(allowance - HOLD_MARGIN * 0.004)
 
 
 def test_compiled_graphs_and_callers_that_cannot_probe_do_not_wait():
@@ -100,14 +121,14 @@ def first_hits(manager, inputs, calls: int) -> int:
 
 def test_manager_probes_before_its_first_capture_and_falls_back_when_probes_measure_nothing():
     # Without CUDA a probe's time is not the GPU's work, so it records nothing:
-    # after MAX_PROBES probes the prior decides, as without probes.
+    # after that one probe the prior decides, as without probes.
     _, plain, inputs, _ = toy_manager(drop_slower_graphs=False)
-    plain.begin_run(expected_calls=100)
+    plain.begin_run(expected_calls=10_000)
     assert first_hits(plain, inputs, 10) == 2
     _, probing, inputs, expected = toy_manager(drop_slower_graphs=False)
     probing.policy.measures_gpu_work = True
-    probing.begin_run(expected_calls=100)
-    assert first_hits(probing, inputs, 10) == 2 + MAX_PROBES
+    probing.begin_run(expected_calls=10_000)
+    assert first_hits(probing, inputs, 10) == 3
     torch.testing.assert_close(run_calls(probing, inputs, 1)[0], expected)
 
 
