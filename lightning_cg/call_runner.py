@@ -23,7 +23,6 @@ from lightning_cg.capture import GraphCapturer
 from lightning_cg.capture_policy import CapturePolicy
 from lightning_cg.config import GraphConfig
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.gpu_work import HOLD_MARGIN
 from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.memo import StateMemo
 from lightning_cg.outputs import CallOutputs
@@ -38,9 +37,6 @@ from lightning_cg.replay import (
 )
 from lightning_cg.routing import Route, Router, SubBatch
 from lightning_cg.stats import GraphStats
-
-#: The longest hold of a probe of the GPU's work, in seconds.
-MAX_HOLD_SECONDS = 0.1
 
 
 class CallRunner:
@@ -77,8 +73,6 @@ class CallRunner:
         self.stats = stats
         self.padding_rules = padding_rules
         self.timer = CallTimer()
-        #: Host seconds the fastest timed eager call of each path took to launch.
-        self._launch_seconds: dict[str, float] = {}
         #: Sub-batches by call shape; shared lists, never changed.
         self._packings: StateMemo[list[list[int]]] = StateMemo()
         #: Measured dispatch's decision tables (``dispatch="measured"``).
@@ -164,15 +158,10 @@ class CallRunner:
     def _run_eager_items(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> None:
         """Run the items of every all-eager sub-batch in one eager call.
 
-        Keys the policy still needs eager times of share the call's time by
-        tokens; or, where the policy asks for it, the call probes its keys' GPU
-        work instead (:meth:`_probe_gpu_work`).
+        Keys the policy still needs eager times of share the call's time by tokens.
         """
-        keyed = [route for route in routes if route.key is not None and route.tokens]
-        if any(self.policy.wants_gpu_work(route.key) for route in keyed):
-            if self._probe_gpu_work(call, sub_batch, keyed):
-                return
-        timed = [route for route in keyed if self.policy.wants_eager_timing(route.key)]
+        timed = [route for route in routes if route.key is not None and route.tokens]
+        timed = [route for route in timed if self.policy.wants_eager_timing(route.key)]
         if not timed:
             self._run_eagerly(call, sub_batch)
             return
@@ -189,39 +178,6 @@ class CallRunner:
 
         with self.timer.timed(record) as timing:
             timing.on_cuda = self._run_eagerly(call, sub_batch)
-        self._note_launch(path_tokens, timing.host_seconds)
-
-    def _probe_gpu_work(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> bool:
-        """Run the eager call with the GPU held for longer than its launches take,
-        so that its time is the GPU's work alone (:mod:`lightning_cg.gpu_work`),
-        shared among its keys by tokens. False, and nothing run, while no timed
-        eager call of their paths has told how long the launches take."""
-        launch = max(self._launch_seconds.get(route.key.path, 0.0) for route in routes)
-        if not launch:
-            return False
-        total = sum(route.tokens for route in routes)
-
-        def record(seconds: float) -> None:
-            for route in routes:
-                self.policy.record_gpu_work(route.key, route.tokens, seconds * route.tokens / total)
-
-        for route in routes:
-            self.policy.probing_gpu_work(route.key)
-        hold = min(HOLD_MARGIN * launch, MAX_HOLD_SECONDS)
-        with self.timer.timed(record, hold_gpu_seconds=hold) as timing:
-            timing.on_cuda = self._run_eagerly(call, sub_batch)
-        if not timing.recorded:
-            for route in routes:
-                self.policy.gpu_work_unmeasured(route.key)
-        self._note_launch({route.key.path: route.tokens for route in routes}, timing.host_seconds)
-        return True
-
-    def _note_launch(self, path_tokens: Mapping[str, int], seconds: float) -> None:
-        """An eager call of the paths with tokens took ``seconds`` to launch; the
-        fastest launch is kept (a first call's launches include one-time work)."""
-        for path, tokens in path_tokens.items():
-            if tokens:
-                self._launch_seconds[path] = min(seconds, self._launch_seconds.get(path, seconds))
 
     def _run_route(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
         if route.parts:

@@ -49,17 +49,6 @@ does not bound it; the prior stands in until a graph of the path is measured.
 Before anything is measured, :data:`PRIOR_GRAPH_RATIO` and
 :data:`PRIOR_CAPTURE_RATIO` stand in.
 
-The eager line cannot see GPU work hidden behind slower launches: an eager
-call costs the longer of the two, not their sum. Where the caller can measure
-it (``measures_gpu_work``: CUDA), a key's capture therefore waits for a probe
-of the GPU's work alone on the key's sub-batches (:mod:`lightning_cg.gpu_work`),
-asked for only once a capture could pay even if its graph cost nothing, and
-only while the run's allowance holds what the probe may cost
-(:data:`~lightning_cg.gpu_work.HOLD_MARGIN` eager runs of the key, charged as
-it runs); the graph is then expected to cost that work per token times its
-budget, ahead of any other estimate but the key's own measured graph.
-Compiled graphs are again the exception.
-
 After capture a key's replays are timed too; a graph measured slower than the
 key's eager runs sends the key back to eager. Timings come from the caller
 (CUDA events or a clock): this module is pure Python.
@@ -70,8 +59,6 @@ from __future__ import annotations
 import statistics
 from collections.abc import Hashable
 
-from lightning_cg.eager_line import fit_line
-from lightning_cg.gpu_work import HOLD_MARGIN, GpuWork
 from lightning_cg.key_record import KeyRecord
 
 #: Graph time / eager time of a full budget, assumed for a path none of whose
@@ -106,8 +93,6 @@ class CapturePolicy:
             cost per token does not bound theirs.
         repay_runs: runs like the current one, counting it, over which a capture
             (and a compile) may be repaid.
-        measures_gpu_work: the caller can probe a key's GPU work alone
-            (:mod:`lightning_cg.gpu_work`), so captures wait for a probe.
 
     Example:
         >>> policy = CapturePolicy(min_sightings=2)
@@ -124,11 +109,8 @@ class CapturePolicy:
         drop_slower_graphs: bool = True,
         graphs_fuse_work: bool = False,
         repay_runs: int = 2,
-        measures_gpu_work: bool = False,
     ) -> None:
         self.first_use = first_use
-        self.measures_gpu_work = measures_gpu_work
-        self.gpu_work = GpuWork()
         self.repay_runs = repay_runs
         self.min_sightings = min_sightings
         self.drop_slower_graphs = drop_slower_graphs
@@ -146,7 +128,6 @@ class CapturePolicy:
         self._last_run_calls = 0
         # This run's eager seconds of the sub-batches seen, replays' savings, captures.
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
-        self._run_probe_seconds = 0.0
         self._expected_calls: int | None = None
         self._later_runs = repay_runs - 1
         self._known_later_runs = 0
@@ -161,7 +142,6 @@ class CapturePolicy:
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
-        self._run_probe_seconds = 0.0
         self._known_later_runs = later_runs or 0
         self._later_runs = max(self.repay_runs - 1, self._known_later_runs)
 
@@ -206,25 +186,6 @@ class CapturePolicy:
         if len(samples) < PATH_SAMPLES:
             samples.append((tokens, seconds))
 
-    def wants_gpu_work(self, key: Hashable) -> bool:
-        """Whether the next eager sub-batch of ``key`` should probe its GPU work."""
-        return self.gpu_work.wanted(key)
-
-    def probing_gpu_work(self, key: Hashable) -> None:
-        """An eager sub-batch of ``key`` runs in a probe of its GPU work: the run
-        pays up to :data:`~lightning_cg.gpu_work.HOLD_MARGIN` eager runs of it."""
-        record = self._keys.get(key)
-        if record is not None and record.eager is not None:
-            self._run_probe_seconds += HOLD_MARGIN * record.eager
-
-    def record_gpu_work(self, key: Hashable, tokens: int, seconds: float) -> None:
-        """A probe measured ``seconds`` of GPU work for ``tokens`` real tokens of ``key``."""
-        self.gpu_work.record(key, tokens, seconds)
-
-    def gpu_work_unmeasured(self, key: Hashable) -> None:
-        """A probe of ``key`` measured nothing: its path is not probed again."""
-        self.gpu_work.unmeasured(key)
-
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
         self._keys[key].add_graph(seconds)
@@ -251,25 +212,18 @@ class CapturePolicy:
         record = self._keys[key]
         if record.sightings < self.min_sightings or record.eager is None:
             return WAIT
-        # Not even a graph that cost nothing would be repaid: no estimate needed.
-        if not self._repaid(record, gain=record.eager):
+        if self._awaiting_eager_line(record.path):
             return WAIT
-        if self._awaiting_gpu_work(key, record) or self._awaiting_eager_line(record.path):
-            return WAIT
-        gain = record.eager * (1.0 - self._graph_ratio(key, record))
+        gain = record.eager * (1.0 - self._graph_ratio(record))
         if gain <= 0:
             return NO_GAIN
-        return CAPTURE if self._repaid(record, gain) else WAIT
-
-    def _repaid(self, record: KeyRecord, gain: float) -> bool:
-        """Whether a capture of ``record``'s key saving ``gain`` seconds a sighting is
-        repaid over the horizon, the part only runs which may never come repay
-        fitting this run's allowance."""
         cost = record.eager * self._capture_ratio(record.path)
         if self._expected_sightings(record) * gain < cost:
-            return False
+            return WAIT
+        # The part of the cost that only runs which may never come repay must
+        # fit this run's allowance.
         unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * gain
-        return unpaid <= self.run_allowance()
+        return CAPTURE if unpaid <= self.run_allowance() else WAIT
 
     def slower_than_eager(self, key: Hashable) -> bool:
         """Whether ``key``'s graph was measured slower than its eager runs."""
@@ -288,7 +242,7 @@ class CapturePolicy:
             "sightings": record.sightings,
             "eager_s": record.eager,
             "graph_s": record.graph,
-            "graph_ratio": self._graph_ratio(key, record),
+            "graph_ratio": self._graph_ratio(record),
             "capture_ratio": self._capture_ratio(record.path),
             "expected_sightings": self._expected_sightings(record),
         }
@@ -321,20 +275,18 @@ class CapturePolicy:
         return self.remaining_calls() + self._known_later_runs * self.run_calls()
 
     def run_allowance(self) -> float:
-        """Seconds captures, probes or the compile may still cost this run beyond
-        what the calls known to come repay (:meth:`committed_calls`):
+        """Seconds captures or the compile may still cost this run beyond what the
+        calls known to come repay (:meth:`committed_calls`):
         :data:`RUN_SLACK` of the run's estimated eager time (the eager time of its
         sub-batches so far, scaled to :meth:`run_calls`), plus what its replays
-        saved (eager less measured graph time), less its capture seconds and
-        what its probes may have cost.
+        saved (eager less measured graph time), less its capture seconds.
 
         Sub-batches count at the estimates known when they were seen: those of a
         key not timed yet count nothing, nor do replays before their graph is
         timed, which errs on the side of eager.
         """
         run_eager = self._run_eager_seconds * self.run_calls() / max(self._run_calls, 1)
-        spent = self._run_capture_seconds + self._run_probe_seconds
-        return RUN_SLACK * run_eager + self._run_saved_seconds - spent
+        return RUN_SLACK * run_eager + self._run_saved_seconds - self._run_capture_seconds
 
     def _expected_sightings(self, record: KeyRecord) -> float:
         return self._sightings_per_call(record) * self.horizon_calls()
@@ -343,16 +295,12 @@ class CapturePolicy:
         """The key's sightings per call so far, over every run."""
         return record.sightings / max(self._calls, 1)
 
-    def _graph_ratio(self, key: Hashable, record: KeyRecord) -> float:
-        """Graph / eager time of ``key`` at its mean real tokens: measured; or its
-        probed GPU work per token times its budget; or estimated from the
-        nearest-sized measured key of the path (or the eager line, or the prior)
+    def _graph_ratio(self, record: KeyRecord) -> float:
+        """Graph / eager time of ``record``'s key at its mean real tokens: measured,
+        or estimated from the nearest-sized measured key of the path (or the prior)
         as cost per padded token, scaled by this key's padding."""
         if record.graph is not None and record.eager:
             return record.graph / record.eager
-        gpu_per_token = None if self.graphs_fuse_work else self.gpu_work.per_token(key)
-        if gpu_per_token is not None and record.eager:
-            return gpu_per_token * record.size / record.eager
         measured = [
             (abs(other.size - record.size), other.graph / other.eager / other.padding_factor)
             for other in self._keys.values()
@@ -370,9 +318,8 @@ class CapturePolicy:
         """Whether the path's first capture should wait for its eager cost line:
         its sub-batches differ in real tokens (a line can be fitted; keys of one
         budget differ too), nothing of it is measured as a graph, the line
-        cannot be fitted yet, and fewer than
-        :data:`FIT_PATIENCE` eager calls are timed (their timings arrive a call
-        late, and the prior would decide)."""
+        cannot be fitted yet, and fewer than :data:`FIT_PATIENCE` eager calls are
+        timed (their timings arrive a call late, and the prior would decide)."""
         if self.graphs_fuse_work or len(self._path_token_counts.get(path, ())) < 2:
             return False
         records = [record for record in self._keys.values() if record.path == path]
@@ -381,25 +328,13 @@ class CapturePolicy:
         samples = self._path_eager_calls.get(path, [])
         return self._eager_line(path) is None and len(samples) < FIT_PATIENCE
 
-    def _awaiting_gpu_work(self, key: Hashable, record: KeyRecord) -> bool:
-        """Whether the key's capture should wait for a probe of its GPU work: the
-        caller can probe, graphs do not fuse work, the run's allowance holds the
-        probe, and one may still come (asked for here)."""
-        if not self.measures_gpu_work or self.graphs_fuse_work:
-            return False
-        if self.gpu_work.per_token(key) is not None:
-            return False
-        if HOLD_MARGIN * record.eager > self.run_allowance():
-            return False
-        return self.gpu_work.want(key, record.path)
-
     def _eager_line(self, path: str) -> tuple[float, float] | None:
         """``(fixed, per_token)`` seconds of the path's eager calls, fitted by least
         squares; None with fewer than two sizes or a slope the noise made negative."""
         samples = self._path_eager_calls.get(path, [])
         fitted = self._fitted_lines.get(path)
         if fitted is None or fitted[0] != len(samples):
-            fitted = len(samples), fit_line(samples)
+            fitted = len(samples), _fit_line(samples)
             self._fitted_lines[path] = fitted
         return fitted[1]
 
@@ -410,3 +345,20 @@ class CapturePolicy:
             if other.path == path and other.capture_seconds is not None and other.eager
         ]
         return statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO
+
+
+def _fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)`` samples; None
+    with fewer than two sizes or a negative slope."""
+    if len({tokens for tokens, _ in samples}) < 2:
+        return None
+    mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
+    mean_seconds = statistics.fmean(seconds for _, seconds in samples)
+    spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
+    per_token = (
+        sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
+        / spread
+    )
+    if per_token <= 0:
+        return None
+    return max(mean_seconds - per_token * mean_tokens, 0.0), per_token

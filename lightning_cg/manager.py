@@ -108,7 +108,6 @@ class EncoderGraphManager:
             min_sightings=self.config.min_sightings,
             drop_slower_graphs=self.config.drop_slower_graphs,
             repay_runs=self.config.repay_runs,
-            measures_gpu_work=torch.cuda.is_available(),
         )
         self.auto_ladder = AutoLadder(
             choices,
