@@ -3,7 +3,7 @@ CUDA Graph Callback
 ^^^^^^^^^^^^^^^^^^^
 
 Swaps a vision tower's forward for budget-batched CUDA graph replay during
-validation and prediction, and puts the original back for training.
+validation, testing and prediction, and puts the original back for training.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from lightning_cg.progress import CaptureProgress
 
 
 class CUDAGraphCallback(Callback):
-    r"""Replays a vision tower through CUDA graphs at token budgets in validation and prediction.
+    r"""Replays a vision tower through CUDA graphs in validation, test and prediction.
 
     On ``*_start`` of each configured stage the tower found at ``module`` (a
     dotted attribute path of the LightningModule) gets a forward that packs the
@@ -80,7 +80,8 @@ class CUDAGraphCallback(Callback):
         max_items_per_batch: most items in one graph; None derives it from the
             budgets (an ``auto`` ladder lowers it to what its sample needs).
         max_frames_per_batch: most attention sequences (video frames) in one graph.
-        stages: the stages that run through graphs: ``validate`` and/or ``predict``.
+        stages: the stages that run through graphs: any of ``validate``, ``test``
+            (``trainer.test``) and ``predict``.
         capture_during_sanity_check: also use graphs for the sanity-check batches.
         keep_graphs: keep graphs between runs; False frees them after each run.
         verify: compare the first replay of every graph with eager; raise on a mismatch.
@@ -190,7 +191,7 @@ class CUDAGraphCallback(Callback):
         self.adapter = adapter
         self.encoder_data_parallel = encoder_data_parallel
         self.manager: EncoderGraphManager | None = None
-        #: Stats of the last validation or predict run, summed over ranks.
+        #: Stats of the last validation, test or predict run, summed over ranks.
         self.last_stats: dict[str, float] = {}
         self._tower: nn.Module | None = None
         self._binding: TensorBinding | None = None
@@ -241,6 +242,15 @@ class CUDAGraphCallback(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish_run(trainer, "validate")
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "test" in self.stages:
+            self._swap_in(trainer, _total_batches(trainer.num_test_batches))
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_run(trainer, "test")
 
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_cg.adapters import ADAPTERS
 
-STAGES = ("validate", "predict")
+STAGES = ("validate", "test", "predict")
 #: Strategies that shard parameters: a graph would capture one shard's addresses.
 REFUSED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 

@@ -58,7 +58,7 @@ class CUDAGraphSchema:
     paths: dict[str, Any] = field(default_factory=dict)
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
-    stages: list[str] = field(default_factory=lambda: ["validate", "predict"])
+    stages: list[str] = field(default_factory=lambda: ["validate", "test", "predict"])
     capture_during_sanity_check: Any = False
     keep_graphs: Any = True
     verify: Any = False

@@ -83,7 +83,7 @@ HYDRA_ROWS = [
     ("predict", ["+cudagraph.paths.global.max_budget=99999999"], "paths.global.max_budget"),
     # other options
     ("predict", ["cudagraph.stages=validate"], "stages"),
-    ("predict", ["cudagraph.stages=[validate,test]"], "stages"),
+    ("predict", ["cudagraph.stages=[validate,fit]"], "stages"),
     ("predict", ["cudagraph.module=123"], "module"),
     ("predict", ["cudagraph.module=model..visual"], "module"),
     ("predict", ["cudagraph.module=head"], "module"),
@@ -206,7 +206,7 @@ PYTHON_ROWS = [
     ("callback budgets='pow2'", callback(budgets="pow2"), "budgets"),
     ("callback budgets={'bogus': 1}", callback(budgets={"bogus": 1}), "bogus"),
     ("callback stages='validate'", callback(stages="validate"), "stages"),
-    ("callback stages=['test']", callback(stages=["test"]), "stages"),
+    ("callback stages=['fit']", callback(stages=["fit"]), "stages"),
     ("callback module=123", callback(module=123), "module"),
     ("callback module=''", callback(module=""), "module"),
     ("callback mode='fast'", callback(mode="fast"), "mode"),

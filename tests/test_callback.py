@@ -209,7 +209,7 @@ def test_compiled_tower_is_left_alone_with_a_warning():
         ({"budgets": {"ladder": "fibonacci"}}, "ladder"),
         ({"budgets": {"max": 8}}, "budgets"),
         ({"paths": {"local": {"steps": 3}}}, "paths.local"),
-        ({"stages": ["test"]}, "stages"),
+        ({"stages": ["fit"]}, "stages"),
         ({"max_items_per_batch": 0}, "max_items_per_batch"),
         ({"module": "vision tower"}, "module"),
         ({"adapter": "magic"}, "adapter"),

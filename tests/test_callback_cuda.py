@@ -127,3 +127,18 @@ def test_a_second_predict_captures_nothing_and_serves_new_weights():
         eager = torch.cat(trainer().predict(net, datamodule("packed")))
         assert relative_error(graphed, eager) < 1e-5
     assert captured[0] > 0 and captured[1:] == [0, 0]
+
+
+def test_a_fit_then_a_test_run_reuses_the_validation_graphs():
+    callback = CUDAGraphCallback(budgets={"max_budget": 256}, capture="first_use")
+    net = model("packed")
+    run = trainer(callback, max_epochs=1)
+    run.fit(net, datamodule("packed"))
+    graphs = dict(callback.manager.cache.items())
+    assert graphs
+    graphed = run.test(net, datamodule("packed"), verbose=False)[0]["test_loss"]
+    assert callback.last_stats["hits"] > 0 and callback.last_stats["graphs_captured"] == 0
+    after = dict(callback.manager.cache.items())
+    assert all(after[key] is graph for key, graph in graphs.items())
+    eager = trainer().test(net, datamodule("packed"), verbose=False)[0]["test_loss"]
+    assert graphed == pytest.approx(eager, rel=1e-4)

@@ -30,12 +30,19 @@ class ForwardSpy(RecordingModel):
         self.record("sanity" if self.trainer.sanity_checking else "validate")
         return super().validation_step(batch, batch_idx)
 
+    def test_step(self, batch, batch_idx):
+        self.record("test")
+        return super().test_step(batch, batch_idx)
+
     def predict_step(self, batch, batch_idx, dataloader_idx=0):
         self.record("predict")
         return super().predict_step(batch, batch_idx, dataloader_idx)
 
     def on_validation_end(self) -> None:
         self.record("on_validation_end")
+
+    def on_test_end(self) -> None:
+        self.record("on_test_end")
 
     def on_predict_end(self) -> None:
         self.record("on_predict_end")
@@ -50,22 +57,47 @@ class ForwardAtEnd(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         self.seen.append(("validate", runs_its_own_forward(pl_module.vision_tower)))
 
+    def on_test_end(self, trainer, pl_module) -> None:
+        self.seen.append(("test", runs_its_own_forward(pl_module.vision_tower)))
+
     def on_predict_end(self, trainer, pl_module) -> None:
         self.seen.append(("predict", runs_its_own_forward(pl_module.vision_tower)))
 
 
-@pytest.mark.parametrize("stages", [["predict"], ["validate"]])
+ALL_STAGES = ("validate", "test", "predict")
+
+
+def run_every_stage(run, net) -> None:
+    run.validate(net, datamodule(), verbose=False)
+    run.test(net, datamodule(), verbose=False)
+    run.predict(net, datamodule())
+
+
+@pytest.mark.parametrize(
+    "stages", [["predict"], ["validate"], ["test"], ["validate", "test", "predict"]]
+)
 def test_only_the_configured_stages_run_through_graphs(stages):
     net = ForwardSpy()
     callback = CUDAGraphCallback(budgets=BUDGETS, stages=stages, capture="first_use")
-    run = trainer(callback)
-    run.validate(net, datamodule(), verbose=False)
-    run.predict(net, datamodule())
-    steps = [(where, own) for where, own in net.seen if where in ("validate", "predict")]
+    run_every_stage(trainer(callback), net)
+    steps = [(where, own) for where, own in net.seen if where in ALL_STAGES]
     # 12 items in batches of 4: three steps per stage, graphed only where configured.
-    assert steps == [
-        (stage, stage not in stages) for stage in ("validate", "predict") for _ in range(3)
-    ]
+    assert steps == [(stage, stage not in stages) for stage in ALL_STAGES for _ in range(3)]
+
+
+def test_every_stage_runs_through_graphs_by_default():
+    net = ForwardSpy()
+    run_every_stage(trainer(CUDAGraphCallback(budgets=BUDGETS, capture="first_use")), net)
+    assert [own for where, own in net.seen if where in ALL_STAGES] == [False] * 9
+
+
+def test_a_test_run_matches_eager_and_reports_its_stats():
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
+    net = ForwardSpy()
+    graphed = trainer(callback).test(net, datamodule(), verbose=False)
+    eager = trainer().test(net, datamodule(), verbose=False)
+    assert graphed[0]["test_loss"] == pytest.approx(eager[0]["test_loss"], rel=1e-5)
+    assert callback.last_stats["items"] == 12 and callback.last_stats["hits"] > 0
 
 
 @pytest.mark.parametrize("capture_during_sanity_check", [False, True])
@@ -85,13 +117,13 @@ def test_the_sanity_check_runs_through_graphs_only_when_asked(capture_during_san
 def test_the_original_forward_is_back_before_later_end_hooks_run():
     net = ForwardSpy()
     later = ForwardAtEnd()
-    run = trainer(CUDAGraphCallback(budgets=BUDGETS, capture="first_use"), later)
-    run.validate(net, datamodule(), verbose=False)
-    run.predict(net, datamodule())
-    assert later.seen == [("validate", True), ("predict", True)]
+    run_every_stage(trainer(CUDAGraphCallback(budgets=BUDGETS, capture="first_use"), later), net)
+    assert later.seen == [(stage, True) for stage in ALL_STAGES]
     assert net.seen == [
         *[("validate", False)] * 3,
         ("on_validation_end", True),
+        *[("test", False)] * 3,
+        ("on_test_end", True),
         *[("predict", False)] * 3,
         ("on_predict_end", True),
     ]
@@ -138,5 +170,6 @@ def test_a_fit_tells_the_manager_how_many_validation_runs_follow(fit_options, ex
     trainer(callback, recorder, *stopping, limit_val_batches=1, **options).fit(net, data)
     assert recorder.later_runs == expected
     trainer(callback, recorder).validate(net, data)
+    trainer(callback, recorder).test(net, data, verbose=False)
     trainer(callback, recorder).predict(net, data)
-    assert recorder.later_runs == [*expected, None, None]
+    assert recorder.later_runs == [*expected, None, None, None]

@@ -74,5 +74,8 @@ class SplitsDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(shuffle=False)
 
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=False)
+
     def predict_dataloader(self) -> DataLoader:
         return self._loader(shuffle=False)

@@ -92,6 +92,11 @@ class VisionClassifier(pl.LightningModule):
         self.log("val_loss", loss, batch_size=len(batch["targets"]))
         return loss
 
+    def test_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("test_loss", loss, batch_size=len(batch["targets"]))
+        return loss
+
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Pooled embeddings before the head, one row per image."""
         return self.embed(batch)
