@@ -221,8 +221,10 @@ class CapturePolicy:
         if self._expected_sightings(record) * gain < cost:
             return WAIT
         # The part of the cost that only runs which may never come repay must
-        # fit this run's allowance.
-        unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * gain
+        # fit this run's allowance; so must the part a gain the eager times
+        # cannot promise (see _surest_gain) might not repay.
+        repaid_by = self._surest_gain(record, gain)
+        unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * repaid_by
         return CAPTURE if unpaid <= self.run_allowance() else WAIT
 
     def slower_than_eager(self, key: Hashable) -> bool:
@@ -313,6 +315,33 @@ class CapturePolicy:
             _, per_token = line
             return per_token * record.size / record.eager
         return PRIOR_GRAPH_RATIO * record.padding_factor
+
+    def _surest_gain(self, record: KeyRecord, gain: float) -> float:
+        """The part of the estimated ``gain`` per sighting that the eager times
+        promise even at their worst: all of it, unless the path's eager calls
+        (of several sizes, no graph of the path measured yet) made the estimate.
+
+        A launch-bound eager call hides the GPU's work behind its launches (CUDA
+        events time the longer of the two), so the eager line's slope may be far
+        below the work a padded graph would do. No eager call did more GPU work
+        per real token than its seconds per token, though, so the graph should
+        cost at most the path's least eager seconds per token times its budget.
+        (A path of one size keeps its estimate: its graphs hold about the same
+        tokens as its eager calls, so they do no more GPU work.)
+        """
+        path = record.path
+        samples = self._path_eager_calls.get(path)
+        from_eager_calls = (
+            not self.graphs_fuse_work
+            and record.graph is None
+            and samples
+            and len({tokens for tokens, _ in samples}) > 1
+            and not any(other.path == path and other.graph for other in self._keys.values())
+        )
+        if not from_eager_calls:
+            return gain
+        per_token = min(seconds / tokens for tokens, seconds in samples if tokens)
+        return min(gain, max(record.eager - per_token * record.size, 0.0))
 
     def _awaiting_eager_line(self, path: str) -> bool:
         """Whether the path's first capture should wait for its eager cost line:

@@ -293,8 +293,41 @@ def path_with_eager_calls(
 def test_eager_calls_mostly_launches_promise_a_gain_despite_padding():
     # 10 ms of launches whatever the size: a graph removes them.
     policy = path_with_eager_calls(fixed_s=0.010, per_token_s=1e-7)
+    # The first sighting: the run's allowance is still empty, and the eager times
+    # cannot rule out GPU work behind those launches (see the test below).
+    assert see(policy, "a", eager_s=0.010, size=1024, tokens=600) == WAIT
     assert see(policy, "a", eager_s=0.010, size=1024, tokens=600) == CAPTURE
     assert policy.estimates("a")["graph_ratio"] == pytest.approx(1e-7 * 1024 / 0.010, rel=0.01)
+
+
+def flat_path(expected_calls: int) -> CapturePolicy:
+    """A path whose eager calls of 1000 to 3000 tokens all took 10 ms: launches
+    alone, or GPU work the launches hide; the line cannot tell which."""
+    policy = CapturePolicy(min_sightings=1)
+    policy.begin_run(expected_calls=expected_calls)
+    for tokens in (1000, 2000, 3000):
+        policy.record_eager_call("local", tokens, 0.010)
+    return policy
+
+
+def test_a_gain_the_eager_times_cannot_promise_is_risked_only_within_the_run_allowance():
+    # At its worst, 3000 tokens in 10 ms of GPU work, a 4096-token graph costs
+    # 13.7 ms against eager's 10: its capture (50 ms) may be lost whole, which a
+    # run of 100 calls (allowance 3% of 1 s) cannot afford and one of 1000 can.
+    short = flat_path(expected_calls=100)
+    decisions = [see(short, "big", eager_s=0.010, size=4096, tokens=2900) for _ in range(100)]
+    assert short.estimates("big")["graph_ratio"] < 1  # a gain is expected
+    assert CAPTURE not in decisions
+    long = flat_path(expected_calls=1000)
+    decisions = [see(long, "big", eager_s=0.010, size=4096, tokens=2900) for _ in range(2)]
+    assert decisions == [WAIT, CAPTURE]
+
+
+def test_a_small_budget_on_a_flat_path_is_promised_its_gain():
+    # Even at 3.3 us of GPU work per token, a 1024-token graph costs 3.4 ms
+    # against eager's 10: the 100-call run repays its capture.
+    short = flat_path(expected_calls=100)
+    assert see(short, "small", eager_s=0.010, size=1024, tokens=900) == CAPTURE
 
 
 def test_eager_calls_that_fill_the_gpu_promise_no_gain_to_a_padded_graph():
