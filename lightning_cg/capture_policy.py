@@ -25,7 +25,11 @@ of the run's estimated eager time, plus what this run's graphs have saved, less
 what its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is
 not made slower than eager by more than that, by these estimates, for runs that
 may never come, and a key that short runs cannot afford stays eager in them.
-``compile="auto"`` keeps to the same allowance.
+What the calls known to come repay is counted at the gain the eager times
+promise even at their worst (:meth:`CapturePolicy._surest_gain`): on a path of
+several sizes none of whose graphs is measured, at most the eager time less
+the budget times the path's least eager seconds per token, since launches may
+hide the GPU's work. ``compile="auto"`` keeps to the same allowance.
 
 The gain is the key's eager time minus its estimated graph time, and the
 capture cost is its eager time times the capture/eager ratio measured so far. A
