@@ -1,6 +1,6 @@
 """The Hydra apps' work as plain functions: build from a config, run, report.
 
-``scripts/predict.py``, ``validate.py`` and ``train.py`` are thin entry points
+``scripts/predict.py``, ``validate.py``, ``test.py`` and ``train.py`` are thin entry points
 around :func:`run`; tests call it with composed configs.
 """
 
@@ -24,7 +24,13 @@ from lightning_cg.callback_checks import resolve_module
 # Also registers the apps' structured config schema (lightning_cg.schema) with Hydra.
 from lightning_cg.preflight import check_config, check_tower
 
-STAGES = ("predict", "validate", "fit")
+STAGES = ("predict", "validate", "test", "fit")
+#: The Trainer's batch limit of each stage the apps time passes of.
+_BATCH_LIMITS = {
+    "predict": "limit_predict_batches",
+    "validate": "limit_val_batches",
+    "test": "limit_test_batches",
+}
 #: Passes over the data on a GPU when ``passes`` is null: enough for the steady state.
 GPU_PASSES = 5
 #: Passes the report shows one by one; more are summed up after the second.
@@ -33,7 +39,7 @@ PASS_ROWS = 10
 
 @dataclass
 class PassReport:
-    """One pass over the data: one ``trainer.predict`` or ``trainer.validate`` call.
+    """One pass over the data: one ``trainer.predict``, ``validate`` or ``test`` call.
 
     Attributes:
         tower_seconds: seconds inside the tower, synchronized around each call.
@@ -51,7 +57,7 @@ class RunReport:
     """What the passes of one app run did, with the callback and, if asked, eagerly.
 
     Attributes:
-        stage: ``predict``, ``validate`` or ``fit``.
+        stage: ``predict``, ``validate``, ``test`` or ``fit``.
         seconds: wall seconds of all passes with the callback.
         stats: the callback's stats of the last pass.
         outputs: the outputs of every pass, one after another.
@@ -123,9 +129,9 @@ def make_trainer(
 
 
 def run(cfg: DictConfig, stage: str) -> RunReport:
-    """Run ``stage`` (predict, validate or fit) with the callback; optionally eagerly too.
+    """Run ``stage`` (predict, validate, test or fit) with the callback; optionally eagerly too.
 
-    ``predict`` and ``validate`` run ``cfg.passes`` times over the data (default
+    ``predict``, ``validate`` and ``test`` run ``cfg.passes`` times over the data (default
     1; null: :data:`GPU_PASSES` on a GPU, 1 on a CPU), one Trainer call per pass
     with one callback, as validation runs once per epoch; ``fit`` runs once.
     ``cfg.compare_eager`` (null: on a GPU only) runs the same passes without
@@ -171,7 +177,7 @@ def _warm_up(
     cfg: DictConfig, stage: str, model: pl.LightningModule, datamodule: pl.LightningDataModule
 ) -> None:
     """One untimed eager batch, so that neither method's first pass pays for the GPU's start."""
-    limit = "limit_predict_batches" if stage == "predict" else "limit_val_batches"
+    limit = _BATCH_LIMITS[stage]
     _timed(instantiate(cfg.trainer, callbacks=[], **{limit: 1}), stage, model, datamodule)
 
 
@@ -216,6 +222,8 @@ def _timed(trainer: pl.Trainer, stage: str, model, datamodule) -> tuple[float, l
         outputs = trainer.predict(model, datamodule=datamodule)
     elif stage == "validate":
         outputs = trainer.validate(model, datamodule=datamodule, verbose=False)
+    elif stage == "test":
+        outputs = trainer.test(model, datamodule=datamodule, verbose=False)
     else:
         outputs = trainer.fit(model, datamodule=datamodule)
     _synchronize()
@@ -223,10 +231,12 @@ def _timed(trainer: pl.Trainer, stage: str, model, datamodule) -> tuple[float, l
 
 
 def _max_abs_difference(graphed: list, eager: list) -> float:
+    """Largest difference between the passes' outputs: predictions, or the metrics
+    ``validate`` and ``test`` return (``val_loss``, ``test_loss``)."""
     differences = [
         (a.float() - b.float()).abs().max().item()
         if isinstance(a, torch.Tensor)
-        else abs(a["val_loss"] - b["val_loss"])
+        else max(abs(a[name] - b[name]) for name in a)
         for a, b in zip(graphed, eager, strict=True)
     ]
     return max(differences, default=0.0)

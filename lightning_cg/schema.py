@@ -1,6 +1,6 @@
 """Hydra structured config schemas of the apps' configs (``conf/predict.yaml`` and friends).
 
-``conf/predict.yaml``, ``validate.yaml`` and ``train.yaml`` name ``app_schema``
+``conf/predict.yaml``, ``validate.yaml``, ``test.yaml`` and ``train.yaml`` name ``app_schema``
 first in their defaults list, so Hydra merges every YAML and command-line
 override into these dataclasses: a wrong type (``cudagraph.budgets.max_budget=abc``,
 ``budgets=[64.9]``, ``stages=validate``) or an unknown key (``+cudagraph.verfy=true``)
@@ -79,7 +79,7 @@ class CUDAGraphSchema:
 
 @dataclass
 class AppSchema:
-    """The top level of ``predict.yaml``, ``validate.yaml`` and ``train.yaml``.
+    """The top level of ``predict.yaml``, ``validate.yaml``, ``test.yaml`` and ``train.yaml``.
 
     ``model``, ``data`` and ``trainer`` are ``_target_`` nodes of their groups,
     checked by :func:`lightning_cg.app.check_config` against each other.

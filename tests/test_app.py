@@ -51,7 +51,7 @@ def compose_config(name: str, overrides: list[str]):
         return compose(name, overrides=overrides)
 
 
-@pytest.mark.parametrize("name", ["predict", "validate", "train"])
+@pytest.mark.parametrize("name", ["predict", "validate", "test", "train"])
 @pytest.mark.parametrize(
     ("group", "option"), [(g, o) for g, options in GROUPS.items() for o in options]
 )
@@ -179,7 +179,22 @@ def test_validate_app_on_a_batch_first_tower():
     assert report.stats["items"] == 8 and report.stats["hit_rate"] == 1.0
 
 
-@pytest.mark.parametrize("script", ["predict", "validate", "train"])
+def test_test_app_runs_trainer_test_through_graphs_and_against_eager():
+    cfg = compose_config(
+        "test",
+        TINY_VIT
+        + ["data=fake", "data.num_items=8", "data.batch_size=4", "trainer=cpu"]
+        + ["cudagraph.capture=first_use", "compare_eager=true"],
+    )
+    report = run(cfg, "test")
+    assert report.stage == "test" and report.stats["items"] == 8
+    assert report.stats["hit_rate"] == 1.0
+    # One pass each way: the test loss of the graphed pass against the eager one.
+    assert [list(output) for output in report.outputs] == [["test_loss"]]
+    assert report.max_abs_difference < 1e-5
+
+
+@pytest.mark.parametrize("script", ["predict", "validate", "test", "train"])
 def test_each_script_runs_once(script):
     overrides = (
         TINY_TOWER

@@ -1,0 +1,21 @@
+"""Hydra app: test with the CUDA graph callback (`python scripts/test.py --help`)."""
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+# Runs from a checkout without installing the package too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_cg.app import print_report, run  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="test")
+def main(cfg: DictConfig) -> None:
+    print_report(run(cfg, "test"))
+
+
+if __name__ == "__main__":
+    main()
