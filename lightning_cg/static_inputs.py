@@ -43,6 +43,9 @@ _NUMPY_DTYPES = frozenset(
     }
 )
 _NO_PIECES: Mapping[str, Sequence[np.ndarray]] = MappingProxyType({})
+#: ``(stream id, device index, device type)`` of a device's current stream, as
+#: ``torch.cuda.current_stream`` reads it (private; torch 2.11 to 2.14 have it).
+_current_stream_id = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 class PieceRows(Mapping[str, torch.Tensor]):
@@ -296,8 +299,12 @@ class HostStaging:
 
     def _current_stream(self, device_index: int) -> torch.cuda.Stream:
         """``torch.cuda.current_stream(device_index)`` for a tenth of its ~3 us of
-        host time: the stream object is made again only when the stream changes."""
-        stream_id = torch._C._cuda_getCurrentStream(device_index)
+        host time: the stream object is made again only when the stream changes.
+        A torch without the private call that identifies the stream gets the
+        public one."""
+        if _current_stream_id is None:
+            return torch.cuda.current_stream(device_index)
+        stream_id = _current_stream_id(device_index)
         if stream_id != self._stream_id:
             self._stream_id = stream_id
             self._stream = torch.cuda.Stream(

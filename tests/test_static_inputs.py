@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import lightning_cg.static_inputs as static_inputs_module
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
@@ -73,9 +74,13 @@ def test_rows_that_do_not_fit_a_buffer_raise_and_name_it(device):
 
 
 @pytest.mark.cuda
-def test_cuda_staging_is_not_rewritten_before_the_gpu_has_read_it():
+@pytest.mark.parametrize("private_stream_call", [True, False])
+def test_cuda_staging_is_not_rewritten_before_the_gpu_has_read_it(private_stream_call, monkeypatch):
     """The GPU is kept busy, so copies out of the staging are still queued when the
-    host writes the next rows: more fills than slots must still each land whole."""
+    host writes the next rows: more fills than slots must still each land whole
+    (also with the public current-stream call, for a torch without the private one)."""
+    if not private_stream_call:
+        monkeypatch.setattr(static_inputs_module, "_current_stream_id", None)
     rng = random.Random(2)
     buffers = buffers_on("cuda", size=64)
     static_inputs = StaticInputs(buffers)
