@@ -25,11 +25,11 @@ of the run's estimated eager time, plus what this run's graphs have saved, less
 what its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is
 not made slower than eager by more than that, by these estimates, for runs that
 may never come, and a key that short runs cannot afford stays eager in them.
-What the calls known to come repay is counted at the gain the eager times
-promise even at their worst (:meth:`CapturePolicy._surest_gain`): on a path of
-several sizes none of whose graphs is measured, at most the eager time less
-the budget times the path's least eager seconds per token, since launches may
-hide the GPU's work. ``compile="auto"`` keeps to the same allowance.
+What the calls known to come repay is counted at a pessimistic gain
+(:meth:`CapturePolicy._surest_gain`): on a path of several sizes none of whose
+graphs is measured, at most the eager time less the budget times the path's
+least eager seconds per token, since launches may hide the GPU's work.
+``compile="auto"`` keeps to the same allowance.
 
 The gain is the key's eager time minus its estimated graph time, and the
 capture cost is its eager time times the capture/eager ratio measured so far. A
@@ -328,10 +328,13 @@ class CapturePolicy:
         A launch-bound eager call hides the GPU's work behind its launches (CUDA
         events time the longer of the two), so the eager line's slope may be far
         below the work a padded graph would do. No eager call did more GPU work
-        per real token than its seconds per token, though, so the graph should
-        cost at most the path's least eager seconds per token times its budget.
-        (A path of one size keeps its estimate: its graphs hold about the same
-        tokens as its eager calls, so they do no more GPU work.)
+        per real token than its seconds per token, so were that work the same
+        per token in every call, the graph would cost at most the path's least
+        eager seconds per token times its budget: the estimate used here. It is
+        pessimistic, not a bound: attention's work grows with the square of a
+        frame, so a sub-batch of large frames can cost more per token. (A path
+        of one size keeps its estimate: its graphs hold about the same tokens
+        as its eager calls, so they do no more GPU work.)
         """
         path = record.path
         samples = self._path_eager_calls.get(path)
