@@ -26,9 +26,9 @@ what its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is
 not made slower than eager by more than that, by these estimates, for runs that
 may never come, and a key that short runs cannot afford stays eager in them.
 What the calls known to come repay is counted at a pessimistic gain
-(:meth:`CapturePolicy._surest_gain`): on a path of several sizes none of whose
-graphs is measured, at most the eager time less the budget times the path's
-least eager seconds per token, since launches may hide the GPU's work.
+(:meth:`CapturePolicy._pessimistic_gain`): on a path of several sizes none of
+whose graphs is measured, at most the eager time less the budget times the
+path's least eager seconds per token, since launches may hide the GPU's work.
 ``compile="auto"`` keeps to the same allowance.
 
 The gain is the key's eager time minus its estimated graph time, and the
@@ -225,9 +225,9 @@ class CapturePolicy:
         if self._expected_sightings(record) * gain < cost:
             return WAIT
         # The part of the cost that only runs which may never come repay must
-        # fit this run's allowance; so must the part a gain the eager times
-        # cannot promise (see _surest_gain) might not repay.
-        repaid_by = self._surest_gain(record, gain)
+        # fit this run's allowance; so must what the pessimistic gain would
+        # leave unpaid of the rest (see _pessimistic_gain).
+        repaid_by = self._pessimistic_gain(record, gain)
         unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * repaid_by
         return CAPTURE if unpaid <= self.run_allowance() else WAIT
 
@@ -320,10 +320,10 @@ class CapturePolicy:
             return per_token * record.size / record.eager
         return PRIOR_GRAPH_RATIO * record.padding_factor
 
-    def _surest_gain(self, record: KeyRecord, gain: float) -> float:
-        """The part of the estimated ``gain`` per sighting that the eager times
-        promise even at their worst: all of it, unless the path's eager calls
-        (of several sizes, no graph of the path measured yet) made the estimate.
+    def _pessimistic_gain(self, record: KeyRecord, gain: float) -> float:
+        """The part of the estimated ``gain`` per sighting counted on within the
+        run: all of it, unless the path's eager calls (of several sizes, no
+        graph of the path measured yet) made the estimate.
 
         A launch-bound eager call hides the GPU's work behind its launches (CUDA
         events time the longer of the two), so the eager line's slope may be far
