@@ -26,32 +26,17 @@ what its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is
 not made slower than eager by more than that, by these estimates, for runs that
 may never come, and a key that short runs cannot afford stays eager in them.
 What the calls known to come repay is counted at a pessimistic gain
-(:meth:`CapturePolicy._pessimistic_gain`): on a path of several sizes none of
-whose graphs is measured, at most the eager time less the budget times the
-path's least eager seconds per token, since launches may hide the GPU's work.
+(:meth:`~lightning_cg.cost_estimates.CostEstimates.pessimistic_gain`): on a
+path of several sizes none of whose graphs is measured, at most the eager time
+less the budget times the path's least eager seconds per token, since launches
+may hide the GPU's work.
 ``compile="auto"`` keeps to the same allowance.
 
 The gain is the key's eager time minus its estimated graph time, and the
-capture cost is its eager time times the capture/eager ratio measured so far. A
-graph computes its whole budget, eager only the real tokens, and a key's
-sub-batches differ in real tokens: its eager time is the measured eager time
-per real token times the mean real tokens of its sightings, and its graph time,
-until measured, is the eager time of its whole budget times the graph's cost
-per padded token relative to eager's per real token, measured on the
-nearest-sized captured key of its path. Before any graph of the path is
-measured, the path's eager calls of different sizes tell launch cost from GPU
-work: fitted as ``fixed + per_token x tokens``, a graph is expected to cost
-``per_token x budget`` (it removes the launches, not the work, and computes its
-padding); with too few sizes to fit, :data:`PRIOR_GRAPH_RATIO` per padded token
-stands in. So a key whose sub-batches fill the GPU and are partly padding is
-not captured, while one whose eager time is mostly launches is. A path whose
-sub-batches differ in real tokens waits for that fit before its first capture
-(for at most :data:`FIT_PATIENCE` timed eager calls), even while they all need
-one key. Compiled graphs (``graphs_fuse_work``) are the exception: inductor
-fuses the tower's kernels, so a graph may do less work than eager and the line
-does not bound it; the prior stands in until a graph of the path is measured.
-Before anything is measured, :data:`PRIOR_GRAPH_RATIO` and
-:data:`PRIOR_CAPTURE_RATIO` stand in.
+capture cost its eager time times the path's capture/eager ratio; both ratios
+come from :class:`~lightning_cg.cost_estimates.CostEstimates`, from the times
+measured on the key's path (its eager calls of several sizes, its measured
+graphs and captures) or, before those, from priors.
 
 After capture a key's replays are timed too; a graph measured slower than the
 key's eager runs sends the key back to eager. Timings come from the caller
@@ -60,23 +45,13 @@ key's eager runs sends the key back to eager. Timings come from the caller
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Hashable
 
+from lightning_cg.cost_estimates import CostEstimates
 from lightning_cg.key_record import KeyRecord
 
-#: Graph time / eager time of a full budget, assumed for a path none of whose
-#: keys is measured.
-PRIOR_GRAPH_RATIO = 0.5
-#: Capture time / eager time assumed before a capture of the path is measured:
-#: two warm-up forwards, the recorded one, graph instantiation and a sync.
-PRIOR_CAPTURE_RATIO = 5.0
 #: Timings kept per key and kind; the median of them is used.
 SAMPLES = 3
-#: Eager calls per path kept for the fit of fixed and per-token cost.
-PATH_SAMPLES = 32
-#: Eager calls after which a path whose sizes vary stops waiting for the fit.
-FIT_PATIENCE = 8
 #: The share of a run's estimated eager time that captures (and the compile)
 #: repaid only by runs that may never come may cost the run (see
 #: :meth:`CapturePolicy.run_allowance`).
@@ -118,14 +93,9 @@ class CapturePolicy:
         self.repay_runs = repay_runs
         self.min_sightings = min_sightings
         self.drop_slower_graphs = drop_slower_graphs
-        self.graphs_fuse_work = graphs_fuse_work
         self._keys: dict[Hashable, KeyRecord] = {}
-        # Up to two real-token counts per path: two tell that its sizes vary.
-        self._path_token_counts: dict[str, set[int]] = {}
-        self._path_eager_calls: dict[str, list[tuple[int, float]]] = {}
-        # Each path's fitted line and the sample count it was fitted on: decide
-        # runs on every eager call, the samples change on few of them.
-        self._fitted_lines: dict[str, tuple[int, tuple[float, float] | None]] = {}
+        #: The graph and capture cost estimates of the keys.
+        self.costs = CostEstimates(self._keys, graphs_fuse_work)
         self._calls = 0
         self._run_calls = 0
         # Calls of the last run that ended: a run of unknown length is expected as long.
@@ -165,9 +135,7 @@ class CapturePolicy:
             self._run_eager_seconds += eager
             if record.graph is not None and not self._slower(record):
                 self._run_saved_seconds += eager - record.graph
-        counts = self._path_token_counts.setdefault(path, set())
-        if len(counts) < 2:
-            counts.add(tokens)
+        self.costs.saw_tokens(path, tokens)
 
     def wants_eager_timing(self, key: Hashable) -> bool:
         """Whether an eager run of ``key`` should be timed."""
@@ -186,9 +154,7 @@ class CapturePolicy:
     def record_eager_call(self, path: str, tokens: int, seconds: float) -> None:
         """An eager run of ``path`` on ``tokens`` real tokens (one or more
         sub-batches run together) took ``seconds``."""
-        samples = self._path_eager_calls.setdefault(path, [])
-        if len(samples) < PATH_SAMPLES:
-            samples.append((tokens, seconds))
+        self.costs.record_eager_call(path, tokens, seconds)
 
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
@@ -216,18 +182,18 @@ class CapturePolicy:
         record = self._keys[key]
         if record.sightings < self.min_sightings or record.eager is None:
             return WAIT
-        if self._awaiting_eager_line(record.path):
+        if self.costs.awaiting_eager_line(record.path):
             return WAIT
-        gain = record.eager * (1.0 - self._graph_ratio(record))
+        gain = record.eager * (1.0 - self.costs.graph_ratio(record))
         if gain <= 0:
             return NO_GAIN
-        cost = record.eager * self._capture_ratio(record.path)
+        cost = record.eager * self.costs.capture_ratio(record.path)
         if self._expected_sightings(record) * gain < cost:
             return WAIT
         # The part of the cost that only runs which may never come repay must
         # fit this run's allowance; so must what the pessimistic gain would
-        # leave unpaid of the rest (see _pessimistic_gain).
-        repaid_by = self._pessimistic_gain(record, gain)
+        # leave unpaid of the rest.
+        repaid_by = self.costs.pessimistic_gain(record, gain)
         unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * repaid_by
         return CAPTURE if unpaid <= self.run_allowance() else WAIT
 
@@ -248,8 +214,8 @@ class CapturePolicy:
             "sightings": record.sightings,
             "eager_s": record.eager,
             "graph_s": record.graph,
-            "graph_ratio": self._graph_ratio(record),
-            "capture_ratio": self._capture_ratio(record.path),
+            "graph_ratio": self.costs.graph_ratio(record),
+            "capture_ratio": self.costs.capture_ratio(record.path),
             "expected_sightings": self._expected_sightings(record),
         }
 
@@ -300,101 +266,3 @@ class CapturePolicy:
     def _sightings_per_call(self, record: KeyRecord) -> float:
         """The key's sightings per call so far, over every run."""
         return record.sightings / max(self._calls, 1)
-
-    def _graph_ratio(self, record: KeyRecord) -> float:
-        """Graph / eager time of ``record``'s key at its mean real tokens: measured,
-        or estimated from the nearest-sized measured key of the path (or the prior)
-        as cost per padded token, scaled by this key's padding."""
-        if record.graph is not None and record.eager:
-            return record.graph / record.eager
-        measured = [
-            (abs(other.size - record.size), other.graph / other.eager / other.padding_factor)
-            for other in self._keys.values()
-            if other.path == record.path and other.graph is not None and other.eager
-        ]
-        if measured:
-            return min(measured)[1] * record.padding_factor
-        line = None if self.graphs_fuse_work else self._eager_line(record.path)
-        if line is not None and record.eager:
-            _, per_token = line
-            return per_token * record.size / record.eager
-        return PRIOR_GRAPH_RATIO * record.padding_factor
-
-    def _pessimistic_gain(self, record: KeyRecord, gain: float) -> float:
-        """The part of the estimated ``gain`` per sighting counted on within the
-        run: all of it, unless the path's eager calls (of several sizes, no
-        graph of the path measured yet) made the estimate.
-
-        A launch-bound eager call hides the GPU's work behind its launches (CUDA
-        events time the longer of the two), so the eager line's slope may be far
-        below the work a padded graph would do. No eager call did more GPU work
-        per real token than its seconds per token, so were that work the same
-        per token in every call, the graph would cost at most the path's least
-        eager seconds per token times its budget: the estimate used here. It is
-        pessimistic, not a bound: attention's work grows with the square of a
-        frame, so a sub-batch of large frames can cost more per token. (A path
-        of one size keeps its estimate: its graphs hold about the same tokens
-        as its eager calls, so they do no more GPU work.)
-        """
-        path = record.path
-        samples = self._path_eager_calls.get(path)
-        from_eager_calls = (
-            not self.graphs_fuse_work
-            and record.graph is None
-            and samples
-            and len({tokens for tokens, _ in samples}) > 1
-            and not any(other.path == path and other.graph for other in self._keys.values())
-        )
-        if not from_eager_calls:
-            return gain
-        per_token = min(seconds / tokens for tokens, seconds in samples if tokens)
-        return min(gain, max(record.eager - per_token * record.size, 0.0))
-
-    def _awaiting_eager_line(self, path: str) -> bool:
-        """Whether the path's first capture should wait for its eager cost line:
-        its sub-batches differ in real tokens (a line can be fitted; keys of one
-        budget differ too), nothing of it is measured as a graph, the line
-        cannot be fitted yet, and fewer than :data:`FIT_PATIENCE` eager calls are
-        timed (their timings arrive a call late, and the prior would decide)."""
-        if self.graphs_fuse_work or len(self._path_token_counts.get(path, ())) < 2:
-            return False
-        records = [record for record in self._keys.values() if record.path == path]
-        if any(record.graph is not None for record in records):
-            return False
-        samples = self._path_eager_calls.get(path, [])
-        return self._eager_line(path) is None and len(samples) < FIT_PATIENCE
-
-    def _eager_line(self, path: str) -> tuple[float, float] | None:
-        """``(fixed, per_token)`` seconds of the path's eager calls, fitted by least
-        squares; None with fewer than two sizes or a slope the noise made negative."""
-        samples = self._path_eager_calls.get(path, [])
-        fitted = self._fitted_lines.get(path)
-        if fitted is None or fitted[0] != len(samples):
-            fitted = len(samples), _fit_line(samples)
-            self._fitted_lines[path] = fitted
-        return fitted[1]
-
-    def _capture_ratio(self, path: str) -> float:
-        ratios = [
-            other.capture_seconds / other.eager
-            for other in self._keys.values()
-            if other.path == path and other.capture_seconds is not None and other.eager
-        ]
-        return statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO
-
-
-def _fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)`` samples; None
-    with fewer than two sizes or a negative slope."""
-    if len({tokens for tokens, _ in samples}) < 2:
-        return None
-    mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
-    mean_seconds = statistics.fmean(seconds for _, seconds in samples)
-    spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
-    per_token = (
-        sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
-        / spread
-    )
-    if per_token <= 0:
-        return None
-    return max(mean_seconds - per_token * mean_tokens, 0.0), per_token

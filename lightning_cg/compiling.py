@@ -174,7 +174,7 @@ class CompileLifecycle:
         run), fused work expected, first replays checked against eager."""
         self._use_ladders(compiled=True)
         self._capturer.weight_casts = None
-        self._capture_policy.graphs_fuse_work = True
+        self._capture_policy.costs.graphs_fuse_work = True
         self._runner.on_compiled_mismatch = self._stop_compiling
 
     def _use_ladders(self, compiled: bool) -> None:
@@ -203,7 +203,7 @@ class CompileLifecycle:
         uncompiled ladders and weight copies come back at the next call: a
         failed compile is met inside a capture, where plans must not change."""
         self._runner.on_compiled_mismatch = None
-        self._capture_policy.graphs_fuse_work = False
+        self._capture_policy.costs.graphs_fuse_work = False
         self._uncompiled_plans_due = True
 
     def _back_to_uncompiled_plans(self) -> None:

@@ -8,15 +8,13 @@ from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.capture_policy import (
     CAPTURE,
-    FIT_PATIENCE,
     NO_GAIN,
-    PRIOR_CAPTURE_RATIO,
-    PRIOR_GRAPH_RATIO,
     RUN_SLACK,
     SAMPLES,
     WAIT,
     CapturePolicy,
 )
+from lightning_cg.cost_estimates import FIT_PATIENCE, PRIOR_CAPTURE_RATIO, PRIOR_GRAPH_RATIO
 from lightning_cg.manager import EncoderGraphManager
 
 

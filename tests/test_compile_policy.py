@@ -166,7 +166,7 @@ def test_a_run_that_repays_the_compile_switches_to_compiled_graphs(monkeypatch):
     assert manager.compiled_encoder.started and manager.compile_policy is None
     # The keys held before were prepared again, over the compiled forward.
     assert manager.stats.compile_seconds > 0 and len(manager.cache) > 0
-    assert manager.weight_casts is None and manager.policy.graphs_fuse_work
+    assert manager.weight_casts is None and manager.policy.costs.graphs_fuse_work
 
 
 def test_a_short_run_stays_uncompiled(monkeypatch):
@@ -226,7 +226,7 @@ def test_a_failed_compile_warns_and_keeps_the_uncompiled_forward(monkeypatch):
         calls(manager, tower, 5)
     assert "no compiler here" in manager.compiled_encoder.compile_error
     assert not manager.compiled_encoder.started and manager.stats.hits > 0
-    assert not manager.policy.graphs_fuse_work  # the graphs are uncompiled again
+    assert not manager.policy.costs.graphs_fuse_work  # the graphs are uncompiled again
     # The call after the failure brought back the uncompiled ladder and weight copies.
     assert manager.paths["local"].budgets == [8, 16, 32, 64]
     assert manager.weight_casts is not None
@@ -274,7 +274,7 @@ def test_a_compiled_graph_that_differs_from_eager_ends_compiling(monkeypatch, co
     assert "relative error" in manager.compiled_encoder.compile_error
     # The uncompiled forward serves from then on, with its weight copies and ladder.
     assert manager.stats.hits > 0 and len(manager.cache) > 0
-    assert not manager.policy.graphs_fuse_work and manager.weight_casts is not None
+    assert not manager.policy.costs.graphs_fuse_work and manager.weight_casts is not None
     assert manager.paths["local"].budgets == [8, 16, 32, 64]
 
 

@@ -35,7 +35,7 @@ def test_giving_up_restores_the_uncompiled_plans_at_the_next_call(monkeypatch):
         compiling.compiled_encoder.give_up("a failed compile")
     # A compile fails inside a capture: what is checked and expected changes now,
     # the plans and graphs stay until the next call.
-    assert manager.runner.on_compiled_mismatch is None and not manager.policy.graphs_fuse_work
+    assert manager.runner.on_compiled_mismatch is None and not manager.policy.costs.graphs_fuse_work
     assert manager.paths["local"].budgets == compiled_ladder and manager.weight_casts is None
     assert len(manager.cache) > 0
 
