@@ -15,7 +15,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -40,6 +39,7 @@ from lightning_cg.dispatcher import GraphMode
 from lightning_cg.manager import EncoderGraphManager
 from lightning_cg.parallel import execute_data_parallel
 from lightning_cg.progress import CaptureProgress
+from lightning_cg.trainer_runs import total_batches, validation_runs_after
 
 
 class CUDAGraphCallback(Callback):
@@ -234,10 +234,10 @@ class CUDAGraphCallback(Callback):
             return
         if "validate" in self.stages:
             if trainer.sanity_checking:
-                self._swap_in(trainer, _total_batches(trainer.num_sanity_val_batches))
+                self._swap_in(trainer, total_batches(trainer.num_sanity_val_batches))
             else:
-                later_runs = _validation_runs_after(trainer)
-                self._swap_in(trainer, _total_batches(trainer.num_val_batches), later_runs)
+                later_runs = validation_runs_after(trainer)
+                self._swap_in(trainer, total_batches(trainer.num_val_batches), later_runs)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -246,7 +246,7 @@ class CUDAGraphCallback(Callback):
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "test" in self.stages:
-            self._swap_in(trainer, _total_batches(trainer.num_test_batches))
+            self._swap_in(trainer, total_batches(trainer.num_test_batches))
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,7 +255,7 @@ class CUDAGraphCallback(Callback):
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "predict" in self.stages:
-            self._swap_in(trainer, _total_batches(trainer.num_predict_batches))
+            self._swap_in(trainer, total_batches(trainer.num_predict_batches))
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -365,37 +365,3 @@ class CUDAGraphCallback(Callback):
         if not self.keep_graphs:
             self.manager.clear()
             self._binding = None
-
-
-def _total_batches(batches: Any) -> int | None:
-    """The batches a run will see (Lightning gives one count per dataloader); None if unknown."""
-    counts = batches if isinstance(batches, list | tuple) else [batches]
-    if not counts or any(
-        not isinstance(count, int | float) or count == float("inf") for count in counts
-    ):
-        return None
-    return int(sum(counts))
-
-
-def _validation_runs_after(trainer: pl.Trainer) -> int | None:
-    """The validation runs a fit still makes after the current one; None outside
-    a fit or when its length is not known in epochs (``max_epochs`` unlimited,
-    ``max_steps`` set, early stopping, or validation every so many training
-    batches). Captures and the compile may make a run pay for these runs, so
-    they must come."""
-    epochs, every = trainer.max_epochs, trainer.check_val_every_n_epoch
-    once_per_epoch = isinstance(trainer.val_check_interval, float) and (
-        trainer.val_check_interval == 1.0
-    )
-    if (
-        trainer.state.fn != TrainerFn.FITTING
-        or epochs is None
-        or epochs < 0
-        or trainer.max_steps != -1
-        or trainer.early_stopping_callbacks
-        or every is None
-        or not once_per_epoch
-    ):
-        return None
-    # Validation follows the epochs whose number (from 1) is a multiple of ``every``.
-    return max(epochs // every - (trainer.current_epoch + 1) // every, 0)
