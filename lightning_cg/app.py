@@ -236,7 +236,7 @@ def _max_abs_difference(graphed: list, eager: list) -> float:
     differences = [
         (a.float() - b.float()).abs().max().item()
         if isinstance(a, torch.Tensor)
-        else max(abs(a[name] - b[name]) for name in a)
+        else max((abs(a[name] - b[name]) for name in a), default=0.0)
         for a, b in zip(graphed, eager, strict=True)
     ]
     return max(differences, default=0.0)
