@@ -131,9 +131,9 @@ class CostEstimates:
         """
         path = record.path
         samples = self._path_eager_calls.get(path)
+        # A measured graph of the path (this key's among them) decides instead.
         from_eager_calls = (
             not self.graphs_fuse_work
-            and record.graph is None
             and samples
             and len({tokens for tokens, _ in samples}) > 1
             and not self._has_measured_graph(path)
