@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all demo lint clean
+.PHONY: install test test-all test-gpu demo lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest
+
+# On a CUDA machine, with its own Python (no venv): see README, "Development".
+test-gpu:
+	bash scripts/test_gpu.sh
 
 demo: $(STAMP)
 	$(PY) scripts/predict.py

@@ -6,12 +6,28 @@ side. For each workload and run length it runs ``trainer.predict`` twice per
 method (``first`` and ``second`` run: one module, one callback, one Trainer)
 and sums the tower seconds of each run; fit workloads train for a few epochs
 with a validation loop each epoch and sum the validation tower seconds.
+A multiscale workload (``multiscale/resnet50/batch_16``) runs ``trainer.validate``
+three times (``first``, ``second`` and ``third`` run: one module, one callback,
+one Trainer) on batches whose image side cycles through 224, 256, 288 and 320
+(batch ``i`` has side ``sides[i % 4]``; ``--tiny``: 32, 40, 48, 56).
+
+Each workload carries its own run lengths: 10, 100 and 1000 batches for
+predict workloads, 48 for multiscale ones; ``--batches`` replaces them for
+every predict and multiscale workload of the invocation (fits take
+``--fit-val-batches``). ``--check`` checks each workload after its rows are
+written and exits with an error naming the workload, run and value when the
+callback captured graphs after a predict workload's first run, or when its
+outputs differ from eager's by more than the precision allows (relative norm:
+2e-2 under bf16-mixed, 1e-4 in 32-true; ``--check-tolerance`` sets another).
 
     python scripts/bench_trainer.py                                   # everything (GPU: in pieces)
     python scripts/bench_trainer.py --workloads vit_b_16/batch_8 --batches 10 100
     python scripts/bench_trainer.py --workloads packed_vit/mixed_batch_8 --batches 1000 \\
         --methods eager callback
     python scripts/bench_trainer.py --workloads fit/vit_b_16/batch_8 --fit-epochs 5
+    python scripts/bench_trainer.py --workloads multiscale/resnet50/batch_16 \\
+        --check                                         # 48 batches of 4 sides, validated 3 times
+    python scripts/bench_trainer.py --workloads vit_b_16/batch_8 --batches 100 --check
     python scripts/bench_trainer.py --workloads vit_b_16/batch_1 --batches 10 --repeats 5 \
         --methods eager callback                        # the median of 5 fresh repeats
     python scripts/bench_trainer.py --workloads clip_vit_b16/batch_8 \
@@ -42,6 +58,7 @@ else:
 
 import torch  # noqa: E402
 
+from bench.trainer.checks import tolerance  # noqa: E402
 from bench.trainer.rows import merge_rows, read_rows, write_json  # noqa: E402
 from bench.trainer.runs import COMPILE, METHODS, TrainerSettings  # noqa: E402
 from bench.trainer.suite import BenchSettings, run_benchmark  # noqa: E402
@@ -49,6 +66,9 @@ from bench.trainer.workloads import (  # noqa: E402
     FIT_WORKLOADS,
     FULL_SIZES,
     HF_WORKLOADS,
+    MULTISCALE_BATCHES,
+    MULTISCALE_WORKLOADS,
+    PREDICT_BATCHES,
     PREDICT_WORKLOADS,
     TINY_SIZES,
     Workload,
@@ -63,17 +83,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workloads",
         nargs="+",
         default=[*PREDICT_WORKLOADS, *FIT_WORKLOADS],
-        help="[fit/]<tower>/batch_<n> or [fit/]<tower>/mixed_batch_<n>; default: "
+        help="[fit/]<tower>/batch_<n>, [fit/]<tower>/mixed_batch_<n> or "
+        "multiscale/<tower>/batch_<n>; default: "
         + " ".join([*PREDICT_WORKLOADS, *FIT_WORKLOADS])
         + "; the transformers towers (called as their users call them): "
-        + " ".join(HF_WORKLOADS),
+        + " ".join(HF_WORKLOADS)
+        + "; validation over images of four sides, three trainer.validate runs: "
+        + " ".join(MULTISCALE_WORKLOADS),
     )
     parser.add_argument(
         "--batches",
         nargs="+",
         type=int,
-        default=[10, 100, 1000],
-        help="run lengths of the predict workloads, in batches",
+        default=None,
+        help="run lengths of the predict and multiscale workloads, in batches; default: "
+        "each workload's own ("
+        + " ".join(map(str, PREDICT_BATCHES))
+        + " for predict workloads, "
+        + " ".join(map(str, MULTISCALE_BATCHES))
+        + " for multiscale ones)",
     )
     parser.add_argument(
         "--methods",
@@ -123,6 +151,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default={},
         help='CUDAGraphCallback arguments, a JSON object: {"dispatch": "measured"}',
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="after each workload, fail unless the callback's runs after a predict "
+        "workload's first captured 0 graphs and its outputs equal eager's",
+    )
+    parser.add_argument(
+        "--check-tolerance",
+        type=float,
+        default=None,
+        help="the largest relative difference (norm of the difference over eager's) "
+        "that --check allows per batch; default: 2e-2 under bf16, 1e-4 in float32",
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "h200-trainer.json")
     parser.add_argument(
         "--from-json",
@@ -150,7 +191,7 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     for name in ("batches", "repeats", "fit_epochs", "fit_val_batches", "fit_train_batches"):
         values = getattr(args, name)
-        if min(values if isinstance(values, list) else [values]) < 1:
+        if values is not None and min(values if isinstance(values, list) else [values]) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {values}")
     methods = list(dict.fromkeys(args.methods))
     if device == "cpu" and COMPILE in methods:
@@ -161,6 +202,10 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
     if not 0 < sides[0] <= sides[1]:
         raise ValueError(f"need 0 < --min-side <= --max-side; got {sides[0]} and {sides[1]}")
     precision = args.precision or ("bf16-mixed" if device == "cuda" else "32-true")
+    if args.check_tolerance is not None and not args.check_tolerance > 0:
+        raise ValueError(f"--check-tolerance must be > 0; got {args.check_tolerance}")
+    if args.check and args.check_tolerance is None:
+        tolerance(precision)  # a precision of no known tolerance fails now, not after a run
     return BenchSettings(
         workloads=[Workload.parse(name) for name in args.workloads],
         batches=args.batches,
@@ -175,6 +220,8 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
         fit_train_batches=args.fit_train_batches,
         output=args.output,
         overwrite=args.overwrite,
+        check=args.check,
+        check_tolerance=args.check_tolerance,
     )
 
 

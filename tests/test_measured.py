@@ -6,12 +6,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from toy_encoder import ToyEncoder, ToyTower
 
-import lightning_cg.call_runner
 from lightning_cg import measured
 from lightning_cg.cache import CapturedGraph, GraphCache, GraphSet
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.measured import DecisionTable, check_dispatch, fill_budget
-from lightning_cg.replay import relative_error, replay
+from lightning_cg.replay import relative_error
 
 #: A small tower: launches dominate, so graphs win below ~700 tokens, then lose.
 GRAPH_MS = {64: 0.5, 256: 0.8, 1024: 6.0, 4096: 30.0}
@@ -263,30 +262,42 @@ def test_cuda_measured_dispatch_never_replays_a_graph_its_table_says_loses(dtype
     manager = EncoderGraphManager(
         ToyEncoder(tower, max_budget=256), dispatch="measured", capture="first_use"
     )
-    replays = []
+    replayed = []  # (path, budget) of each dispatched replay of the current call
+    cuda_replay = torch.cuda.CUDAGraph.replay
 
-    def spy(graph, encoder, padding_rules, path, inputs, total):
+    def observe(cuda_graph):
         # Replays timed while a table is being measured are not dispatched.
-        if any(table_path == path for _, table_path in manager.measured.tables):
-            replays.append((path, graph.spec.token_budget, total))
-        return replay(graph, encoder, padding_rules, path, inputs, total)
+        measured_paths = {path for _, path in manager.measured.tables}
+        for key, graph in manager.cache.items():
+            if graph.cuda_graph is cuda_graph and key.path in measured_paths:
+                replayed.append((key.path, graph.spec.token_budget))
+        return cuda_replay(cuda_graph)
 
-    monkeypatch.setattr(lightning_cg.call_runner, "replay", spy)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", observe)
     rng = random.Random(str(dtype))
     tolerance = 1e-5 if dtype is torch.float32 else 2e-2
+    dispatched = []  # per call: its replays and the real tokens its replays served
     with torch.no_grad():
         for _ in range(100):
             lengths = [rng.randrange(1, 120) for _ in range(rng.randrange(1, 6))]
             tokens, lengths = make_batch(rng, lengths, device="cuda", dtype=dtype)
+            replayed.clear()
+            served_before = manager.stats.real_tokens
             assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < tolerance
+            dispatched.append((list(replayed), manager.stats.real_tokens - served_before))
     tables = {path: table for (_, path), table in manager.measured.tables.items()}
     assert set(tables) == {"local", "global"}
-    assert manager.decision_table()
-    for path, budget, total in replays:
-        assert tables[path].graph_ms[budget] < tables[path].eager_cost(total)
-    stats = manager.stats
-    assert stats.hits == len(replays)
-    assert stats.hits + stats.misses > 0
+    wins_from = {
+        (row["path"], row["budget"]): row["graph_wins_from"] for row in manager.decision_table()
+    }
+    replays = [replay for call, _ in dispatched for replay in call]
+    assert replays, "measured dispatch replayed no graph"
+    for call, served in dispatched:
+        # A graph is replayed only where its table says it wins: from its
+        # break-even token count up to its budget, and never where it always loses.
+        assert all(wins_from[replay] is not None for replay in call), call
+        assert served >= sum(wins_from[replay] for replay in call), (call, served)
+    assert manager.stats.hits >= len(replays)
 
 
 @pytest.mark.cuda

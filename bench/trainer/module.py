@@ -25,6 +25,11 @@ class UserModule(pl.LightningModule):
     Each tower call is timed with a synchronize on each side: the seconds add
     up in :attr:`tower_seconds`, and each call's are kept in
     :attr:`tower_call_seconds` (both reset by :class:`RunClock` at each run).
+    While :attr:`val_outputs` is a list, each validation step appends a copy of
+    its tower output (one embedding per image, as a predict step returns it) to
+    it, so a validation run's outputs can be compared as a predict run's are. A
+    copy, as Lightning's predict loop copies each step's output to the CPU: under
+    ``torch.compile(mode="reduce-overhead")`` a later call overwrites the output.
     A transformers tower is called as its users call it: a batch-first one as
     ``backbone(pixel_values=images).pooler_output``, a Qwen vision tower as
     ``backbone(pixel_patches, grid_thw=grid_thw).pooler_output`` (its merged tokens).
@@ -50,6 +55,7 @@ class UserModule(pl.LightningModule):
         self.tower_seconds = 0.0
         self.tower_calls = 0
         self.tower_call_seconds: list[float] = []
+        self.val_outputs: list[torch.Tensor] | None = None
 
     def embed(self, batch: Batch) -> torch.Tensor:
         """One embedding per image: the tower's output, packed rows averaged per image."""
@@ -62,18 +68,21 @@ class UserModule(pl.LightningModule):
         return self.embed(batch)
 
     def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        embedding = self.embed(batch)
+        if self.val_outputs is not None:
+            self.val_outputs.append(embedding.detach().clone())
+        loss = self._loss(embedding, batch)
         self.log("val_loss", loss, batch_size=len(batch["targets"]))
         return loss
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
+        return self._loss(self.embed(batch), batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        return F.cross_entropy(self.head(self.embed(batch)).float(), batch["targets"])
+    def _loss(self, embedding: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(self.head(embedding).float(), batch["targets"])
 
     def _packed_call(self, pixel_patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         if self.transformers:

@@ -3,7 +3,8 @@
 A row holds every method's figures for one workload, run length and run:
 ``{"workload", "batches", "run", "eager_tower_s", "callback_tower_s",
 "vs_eager", "graphs_captured", "capture_s"}`` and extra fields (see
-:data:`EXTRA_KEYS`). Ratios are speed-ups of the callback: ``vs_eager`` is
+:data:`EXTRA_KEYS`; fit rows :data:`FIT_KEYS` too, multiscale rows
+:data:`MULTISCALE_KEYS`). Ratios are speed-ups of the callback: ``vs_eager`` is
 eager tower seconds over the callback's, ``vs_compile`` compiled over the
 callback's; above 1 the callback is faster.
 """
@@ -40,6 +41,9 @@ EXTRA_KEYS = (
     "compile_wall_s",
     "callback_max_abs_diff",  # largest |output - eager output| of the run
     "compile_max_abs_diff",
+    "callback_max_rel_diff",  # largest |output - eager output| / |eager output| of a batch
+    "compile_max_rel_diff",
+    "callback_replays",  # graph replays of the run (callback_stats' hits)
     "images",
     "callback_stats",  # callback.last_stats after the run (fit: after the last epoch)
     "repeats",  # predict rows: times each method ran the pair of runs; figures of the median
@@ -64,11 +68,14 @@ FIT_KEYS = (
     "eager_fit_wall_s",
     "callback_fit_wall_s",
 )
+#: Extra fields of multiscale rows.
+MULTISCALE_KEYS = ("sides",)  # the image sides that the batches cycle through, in order
 _ROW_ID = ("workload", "batches", "run", "trainer")
 _RUNS = {
     "first": ("first", "reused"),
     "second": ("second", "reused"),
     "second_fresh": ("second", "fresh"),
+    "third": ("third", "reused"),
 }
 
 
@@ -99,6 +106,21 @@ def predict_rows(
         row |= {"trainer": trainer, "images": images}
         rows.append(row | repeat_fields(repeats, name) if several else row)
     return rows
+
+
+def multiscale_rows(
+    workload: str,
+    batches: int,
+    images: int,
+    sides: Sequence[int],
+    repeats: Mapping[str, Sequence[Mapping[str, PredictRun]]],
+) -> list[dict[str, Any]]:
+    """The rows of a multiscale workload, one per validation run (``first``,
+    ``second``, ``third``): :func:`predict_rows` of the runs of
+    :func:`~bench.trainer.runs.validate_runs`, with the sides its batches cycle through.
+    """
+    rows = predict_rows(workload, batches, images, repeats)
+    return [row | {"sides": list(sides)} for row in rows]
 
 
 def median_runs(repeats: Sequence[Mapping[str, PredictRun]]) -> dict[str, PredictRun]:
@@ -133,6 +155,9 @@ def _predict_row(row: dict[str, Any], by_method: Mapping[str, PredictRun]) -> di
         row[f"{method}_median_call_s"] = result.record.median_call_s
         if eager is not None and method != EAGER:
             row[f"{method}_max_abs_diff"] = max_abs_difference(result.outputs, eager.outputs)
+            row[f"{method}_max_rel_diff"] = max(
+                relative_differences(result.outputs, eager.outputs), default=0.0
+            )
     if callback is not None:
         _add_capture(row, callback.record)
     return with_ratios(row)
@@ -172,6 +197,7 @@ def fit_row(
         row["callback_stats"] = records[-1].stats
         row["graphs_captured"] = sum(record.graphs_captured for record in records)
         row["capture_s"] = sum(record.capture_s for record in records)
+        row["callback_replays"] = sum(int(record.stats.get("hits", 0)) for record in records)
     return with_ratios(row)
 
 
@@ -184,6 +210,8 @@ def _empty_row(workload: str, batches: int, run: str) -> dict[str, Any]:
 def _add_capture(row: dict[str, Any], record: RunRecord) -> None:
     row["graphs_captured"], row["capture_s"] = record.graphs_captured, record.capture_s
     row["callback_stats"] = record.stats
+    if "hits" in record.stats:
+        row["callback_replays"] = int(record.stats["hits"])
 
 
 def with_ratios(row: dict[str, Any]) -> dict[str, Any]:
@@ -206,6 +234,25 @@ def max_abs_difference(outputs: Sequence[torch.Tensor], expected: Sequence[torch
         ),
         default=0.0,
     )
+
+
+def relative_differences(
+    outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]
+) -> list[float]:
+    """Per batch, the norm of ``output - expected`` over the norm of ``expected``
+    (the difference's norm itself where ``expected`` is all zeros)."""
+    if len(outputs) != len(expected):
+        raise ValueError(f"runs gave {len(outputs)} and {len(expected)} batches of outputs")
+    differences = []
+    for output, reference in zip(outputs, expected, strict=True):
+        if output.shape != reference.shape:
+            differences.append(float("inf"))
+            continue
+        reference = reference.double()
+        norm = torch.linalg.vector_norm(output.double() - reference).item()
+        scale = torch.linalg.vector_norm(reference).item()
+        differences.append(norm / scale if scale > 0 else norm)
+    return differences
 
 
 def merge_rows(
@@ -271,6 +318,10 @@ def describe(row: Mapping[str, Any]) -> str:
         compiling = (row.get("callback_stats") or {}).get("compile_seconds_run")
         if compiling:
             parts[-1] += f" ({compiling:.2f} s of it compiling)"
+    if row.get("callback_replays") is not None:
+        parts.append(f"{row['callback_replays']} replays")
+    if row.get("sides"):
+        parts.append("sides " + "/".join(str(side) for side in row["sides"]))
     return "; ".join(parts)
 
 

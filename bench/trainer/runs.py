@@ -5,6 +5,8 @@ weights), its own :class:`~bench.trainer.module.UserModule` and Trainer, and
 runs ``trainer.predict`` twice on one set of batches: the first run pays for
 capture or compilation, the second shows what a later run costs. With a fresh
 Trainer it also runs a third time on a new Trainer (same module and callback).
+A multiscale workload runs ``trainer.validate`` three times the same way
+(``first``, ``second``, ``third``), keeping the tower outputs of its steps.
 A fit runs ``trainer.fit`` with a validation loop each epoch.
 """
 
@@ -27,6 +29,8 @@ from lightning_cg import CUDAGraphCallback
 
 EAGER, CALLBACK, COMPILE = "eager", "callback", "compile"
 METHODS = (EAGER, CALLBACK, COMPILE)
+#: The runs of :func:`validate_runs`, in order.
+VALIDATE_RUNS = ("first", "second", "third")
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ class TrainerSettings:
 
 @dataclass
 class PredictRun:
-    """One ``trainer.predict`` call: its record, wall time around the call, and outputs."""
+    """One ``trainer.predict`` call (or ``trainer.validate``, see :func:`validate_runs`):
+    its record, wall time around the call, and outputs (one tensor per batch)."""
 
     record: RunRecord
     call_s: float
@@ -81,6 +86,38 @@ def predict_runs(
         started = time.perf_counter()
         outputs = trainer.predict(module, dataloaders=batches.loader())
         runs[name] = PredictRun(clock.records[-1], time.perf_counter() - started, outputs)
+    return runs
+
+
+def validate_runs(
+    tower: nn.Module,
+    batches: SyntheticBatches,
+    method: str,
+    settings: TrainerSettings,
+) -> dict[str, PredictRun]:
+    """The ``first``, ``second`` and ``third`` validation runs of ``method``:
+    one module, one callback and one Trainer, ``trainer.validate`` three times.
+
+    Each run's outputs are the tower outputs of its validation steps (one
+    embedding per image, batch by batch), as a predict run returns them.
+
+    Args:
+        tower: the workload's tower; the method runs a deep copy of it.
+        batches: what every run validates on.
+        method: ``eager``, ``callback`` or ``compile``.
+        settings: device, precision and callback arguments.
+    """
+    module, callback = _module_and_callback(tower, method, settings)
+    clock = RunClock(callback)
+    trainer = make_trainer(settings, [callback, clock] if callback else [clock])
+    runs = {}
+    for name in VALIDATE_RUNS:
+        module.val_outputs = []
+        started = time.perf_counter()
+        trainer.validate(module, dataloaders=batches.loader(), verbose=False)
+        call_s = time.perf_counter() - started
+        runs[name] = PredictRun(clock.records[-1], call_s, module.val_outputs)
+        module.val_outputs = None
     return runs
 
 

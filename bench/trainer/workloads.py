@@ -2,7 +2,15 @@
 
 A workload name is ``<tower>/batch_<n>`` (same-size images of a batch-first
 tower), ``<tower>/mixed_batch_<n>`` (images of mixed sizes for a packed tower),
-or either prefixed with ``fit/`` (``trainer.fit`` with validation each epoch).
+either prefixed with ``fit/`` (``trainer.fit`` with validation each epoch), or
+``multiscale/<tower>/batch_<n>`` (``trainer.validate`` three times on batches of
+same-size images whose side cycles through :attr:`Sizes.multiscale_sides`:
+batch ``i`` has side ``sides[i % len(sides)]``; a tower of
+:data:`MULTISCALE_TOWERS`, one that takes any image side).
+
+Each workload carries its own run lengths (:attr:`Workload.default_batches`):
+:data:`PREDICT_BATCHES` for predict workloads, :data:`MULTISCALE_BATCHES` for
+multiscale ones; ``--batches`` replaces them for every workload it runs.
 
 Batches are views into one block of seeded noise that lives on the run's device,
 so data loading costs next to nothing and the tower dominates what is timed;
@@ -38,6 +46,14 @@ PREDICT_WORKLOADS = (
     "packed_vit/mixed_batch_8",
 )
 FIT_WORKLOADS = ("fit/vit_b_16/batch_8", "fit/packed_vit_small/mixed_batch_8")
+#: Towers of the multiscale workloads: batch-first ones that take any image side.
+MULTISCALE_TOWERS = ("resnet50",)
+#: Validation over images whose side changes batch by batch (not in the default run).
+MULTISCALE_WORKLOADS = ("multiscale/resnet50/batch_16",)
+#: Run lengths, in batches, of a predict workload unless ``--batches`` says otherwise.
+PREDICT_BATCHES = (10, 100, 1000)
+#: Batches of a multiscale run unless ``--batches`` says otherwise: 12 of each side.
+MULTISCALE_BATCHES = (48,)
 #: The transformers towers (needs the hf extra; not in the default run): CLIP ViT-B/16
 #: and the Qwen2-VL-7B vision tower, built from configs with random weights.
 HF_WORKLOADS = (
@@ -47,8 +63,12 @@ HF_WORKLOADS = (
     f"{QWEN_TOWER}/mixed_batch_8",
 )
 FIT_PREFIX = "fit/"
+MULTISCALE_PREFIX = "multiscale/"
 NUM_CLASSES = 10
-_NAME = re.compile(r"(?P<fit>fit/)?(?P<tower>\w+)/(?P<mixed>mixed_)?batch_(?P<size>[1-9]\d*)")
+_NAME = re.compile(
+    r"(?:(?P<fit>fit/)|(?P<multiscale>multiscale/))?"
+    r"(?P<tower>\w+)/(?P<mixed>mixed_)?batch_(?P<size>[1-9]\d*)"
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,8 @@ class Workload:
         batch_size: images per batch.
         mixed: images of mixed sizes, packed (packed towers) instead of same-size.
         fit: ``trainer.fit`` with validation each epoch instead of ``trainer.predict``.
+        multiscale: ``trainer.validate`` three times on same-size batches whose
+            side cycles through :attr:`Sizes.multiscale_sides`, instead of ``trainer.predict``.
     """
 
     name: str
@@ -69,10 +91,17 @@ class Workload:
     batch_size: int
     mixed: bool
     fit: bool
+    multiscale: bool = False
+
+    @property
+    def default_batches(self) -> tuple[int, ...]:
+        """Run lengths in batches when ``--batches`` gives none (a fit takes its own)."""
+        return MULTISCALE_BATCHES if self.multiscale else PREDICT_BATCHES
 
     @classmethod
     def parse(cls, name: str) -> Workload:
-        """The workload a name stands for; packed towers take mixed batches, the others not.
+        """The workload a name stands for; packed towers take mixed batches, the others
+        not, and multiscale ones a tower of :data:`MULTISCALE_TOWERS` with same-size batches.
 
         Raises:
             ValueError: the name has another form or pairs a tower with the wrong batches.
@@ -80,14 +109,19 @@ class Workload:
         match = _NAME.fullmatch(name)
         tower = match and match["tower"]
         mixed = bool(match and match["mixed"])
-        allowed = PACKED_TOWERS if mixed else BATCHED_TOWERS
+        multiscale = bool(match and match["multiscale"])
+        if multiscale:
+            allowed = () if mixed else MULTISCALE_TOWERS
+        else:
+            allowed = PACKED_TOWERS if mixed else BATCHED_TOWERS
         if tower not in allowed:
             raise ValueError(
                 f"workloads has {name!r}; allowed: [fit/]<tower>/batch_<n> with a tower of "
-                f"{', '.join(BATCHED_TOWERS)}, or [fit/]<tower>/mixed_batch_<n> with a tower "
-                f"of {', '.join(PACKED_TOWERS)} (e.g. {', '.join(PREDICT_WORKLOADS[:2])})"
+                f"{', '.join(BATCHED_TOWERS)}, [fit/]<tower>/mixed_batch_<n> with a tower "
+                f"of {', '.join(PACKED_TOWERS)} (e.g. {', '.join(PREDICT_WORKLOADS[:2])}), "
+                f"or multiscale/<tower>/batch_<n> with a tower of {', '.join(MULTISCALE_TOWERS)}"
             )
-        return cls(name, tower, int(match["size"]), mixed, bool(match["fit"]))
+        return cls(name, tower, int(match["size"]), mixed, bool(match["fit"]), multiscale)
 
 
 @dataclass(frozen=True)
@@ -97,11 +131,13 @@ class Sizes:
     Attributes:
         image_side: side of the same-size images of batch-first towers.
         mixed_sides: smallest and largest side of the mixed-size images, in pixels.
+        multiscale_sides: the sides that the batches of a multiscale workload cycle through.
         towers: per tower, :func:`~lightning_cg.models.lit.build_tower` overrides.
     """
 
     image_side: int = 224
     mixed_sides: tuple[int, int] = (64, 1024)
+    multiscale_sides: tuple[int, ...] = (224, 256, 288, 320)
     towers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -111,6 +147,7 @@ FULL_SIZES = Sizes()
 TINY_SIZES = Sizes(
     image_side=32,
     mixed_sides=(32, 96),
+    multiscale_sides=(32, 40, 48, 56),
     towers={
         "vit_b_16": {
             "image_size": 32,
@@ -159,10 +196,12 @@ class SyntheticBatches(Dataset):
 
     Batch-first batches are ``{"images": [B, 3, S, S], "targets"}``; packed ones
     ``{"pixel_patches", "grid_thw", "targets"}`` with ``B`` images whose sides
-    are drawn from ``sizes.mixed_sides`` (multiples of ``patch * merge``). Pixels
-    are slices of one noise block at seeded offsets, so two batches of one shape
-    still differ; the same seed gives the same batches, and the first ``k``
-    batches of a longer set are the ``k`` batches of a shorter one.
+    are drawn from ``sizes.mixed_sides`` (multiples of ``patch * merge``);
+    multiscale ones are batch-first with batch ``i`` of side
+    ``sizes.multiscale_sides[i % len(sides)]``. Pixels are slices of one noise
+    block (per side) at seeded offsets, so two batches of one shape still differ;
+    the same seed gives the same batches, and the first ``k`` batches of a
+    longer set are the ``k`` batches of a shorter one.
 
     Args:
         workload: the tower and batch size.
@@ -188,6 +227,10 @@ class SyntheticBatches(Dataset):
         size = workload.batch_size
         targets = torch.randint(NUM_CLASSES, (count, size), generator=_generator(seed))
         self.targets = targets.to(device)
+        self.sides = None  # multiscale: each batch's side
+        if workload.multiscale:
+            self._multiscale(workload, count, sizes, seed, rng, device)
+            return
         if workload.mixed:
             config = tower.config
             patch, merge = config.patch_size, config.spatial_merge_size
@@ -210,11 +253,39 @@ class SyntheticBatches(Dataset):
             start = rng.randrange(len(self.noise) - n + 1)
             self.slices.append((start, start + n))
 
+    def _multiscale(
+        self,
+        workload: Workload,
+        count: int,
+        sizes: Sizes,
+        seed: int,
+        rng: random.Random,
+        device: torch.device,
+    ) -> None:
+        # One block per side, sliced along the batch like a same-size block, so
+        # that every batch is contiguous and as aligned as a user's would be.
+        size, cycle = workload.batch_size, sizes.multiscale_sides
+        self.grids = None
+        self.sides = [cycle[index % len(cycle)] for index in range(count)]
+        self.side_noise = {
+            side: torch.randn((4 * size, 3, side, side), generator=_generator(seed + 1 + k)).to(
+                device
+            )
+            for k, side in enumerate(cycle)
+        }
+        self.slices = []
+        for _ in range(count):
+            start = rng.randrange(3 * size + 1)
+            self.slices.append((start, start + size))
+
     def __len__(self) -> int:
         return len(self.slices)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         start, stop = self.slices[index]
+        if self.sides is not None:
+            images = self.side_noise[self.sides[index]][start:stop]
+            return {"images": images, "targets": self.targets[index]}
         pixels = self.noise[start:stop]
         if self.grids is None:
             return {"images": pixels, "targets": self.targets[index]}
@@ -228,6 +299,13 @@ class SyntheticBatches(Dataset):
     def images(self) -> int:
         """Images over all batches."""
         return self.targets.numel()
+
+    def shape_examples(self) -> list[dict[str, torch.Tensor]]:
+        """The first batch of each image side (multiscale), else the first batch."""
+        if self.sides is None:
+            return [self[0]]
+        firsts = {side: index for index, side in reversed(list(enumerate(self.sides)))}
+        return [self[index] for index in sorted(firsts.values())]
 
 
 def _generator(seed: int) -> torch.Generator:

@@ -155,6 +155,7 @@ def test_graph_methods_on_cuda(tmp_path, bench_config):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow  # torch.compile of transformers towers: minutes
 def test_compile_method_on_cuda(tmp_path, bench_config):
     rows = _cuda_rows(tmp_path, bench_config, "eager,compile")
     compiled = [row for row in rows if row["method"] == "compile"]

@@ -1,5 +1,6 @@
 """scripts/bench_trainer.py on the CPU: tiny towers, two-batch runs, the row schema."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,11 +13,40 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the top-level bench package, however pytest was started
 
+import bench.trainer.suite  # noqa: E402
 from bench.trainer.rows import ROW_KEYS, merge_rows  # noqa: E402
-from bench.trainer.runs import TrainerSettings, predict_runs  # noqa: E402
-from bench.trainer.workloads import TINY_SIZES, SyntheticBatches, Workload, make_tower  # noqa: E402
+from bench.trainer.runs import TrainerSettings, predict_runs, validate_runs  # noqa: E402
+from bench.trainer.workloads import (  # noqa: E402
+    MULTISCALE_BATCHES,
+    PREDICT_BATCHES,
+    TINY_SIZES,
+    SyntheticBatches,
+    Workload,
+    make_tower,
+)
 
 CPU = TrainerSettings("cpu", "32-true")
+#: A multiscale workload small enough for the CPU: two images a batch, one batch per side.
+TINY_MULTISCALE = ("--workloads=multiscale/resnet50/batch_2", "--batches=4")
+
+
+def load_script():
+    """scripts/bench_trainer.py as a module, to run its main() in this process."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_trainer_script", ROOT / "scripts" / "bench_trainer.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_trainer_here(tmp_path: Path, *args: str) -> list[dict]:
+    """main() of scripts/bench_trainer.py in this process: tiny towers on the CPU,
+    eager and the callback; the rows it wrote."""
+    output = tmp_path / "trainer.json"
+    argv = ["--device=cpu", "--tiny", "--methods", "eager", "callback", f"--output={output}"]
+    load_script().main([*argv, *args])
+    return json.loads(output.read_text())
 
 
 def bench_trainer(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
@@ -189,3 +219,122 @@ def test_every_method_on_cuda(tmp_path):
         assert row["callback_max_abs_diff"] < 0.1 and row["compile_max_abs_diff"] < 0.1
     first = rows[0]
     assert first["graphs_captured"] > 0 and first["capture_s"] > 0
+
+
+def test_multiscale_validates_three_times_on_batches_of_every_side(tmp_path, one_thread, capsys):
+    rows = bench_trainer_here(tmp_path, *TINY_MULTISCALE, "--check")
+    assert [(row["run"], row["trainer"]) for row in rows] == [
+        ("first", "reused"),
+        ("second", "reused"),
+        ("third", "reused"),
+    ]
+    for row in rows:
+        assert row["workload"] == "multiscale/resnet50/batch_2" and row["batches"] == 4
+        assert row["sides"] == [32, 40, 48, 56] and row["images"] == 8
+        assert row["eager_tower_s"] > 0 and row["callback_tower_s"] > 0
+        assert row["vs_eager"] == pytest.approx(row["eager_tower_s"] / row["callback_tower_s"])
+        assert isinstance(row["graphs_captured"], int) and isinstance(row["callback_replays"], int)
+        assert row["callback_stats"]["items"] == 8  # every image of the run went through it
+        assert row["callback_max_rel_diff"] < 1e-4
+    out = capsys.readouterr().out
+    assert "multiscale/resnet50/batch_2 4 batches, third run (reused trainer)" in out
+    assert "sides 32/40/48/56" in out
+    assert "check ok: multiscale/resnet50/batch_2 4 batches: graphs captured per run" in out
+
+
+def test_multiscale_batches_cycle_through_the_sides_and_validation_keeps_outputs(one_thread):
+    workload = Workload.parse("multiscale/resnet50/batch_2")
+    tower = make_tower(workload, TINY_SIZES, seed=0)
+    batches = SyntheticBatches(workload, tower, 6, TINY_SIZES, seed=0, device=torch.device("cpu"))
+    assert [batch["images"].shape[-2:] for batch in batches] == [
+        (side, side) for side in (32, 40, 48, 56, 32, 40)
+    ]
+    assert all(batch["images"].is_contiguous() for batch in batches)
+    assert [batch["images"].shape[-1] for batch in batches.shape_examples()] == [32, 40, 48, 56]
+    runs = validate_runs(tower, batches, "eager", CPU)
+    assert list(runs) == ["first", "second", "third"]
+    with torch.inference_mode():
+        expected = [tower(batch["images"]) for batch in batches]
+    for run in runs.values():
+        assert run.record.calls == 6
+        for output, reference in zip(run.outputs, expected, strict=True):
+            torch.testing.assert_close(output, reference)
+
+
+def test_each_workload_takes_its_own_batches_unless_asked(tmp_path):
+    script = load_script()
+    settings = script.resolve_settings(
+        script.parse_args(["--device=cpu", "--workloads", "multiscale/resnet50/batch_16"])
+    )
+    assert settings.batches is None and settings.workloads[0].default_batches == (48,)
+    assert MULTISCALE_BATCHES == (48,) and PREDICT_BATCHES == (10, 100, 1000)
+    assert Workload.parse("vit_b_16/batch_8").default_batches == PREDICT_BATCHES
+    given = script.resolve_settings(script.parse_args(["--device=cpu", "--batches", "4", "8"]))
+    assert given.batches == [4, 8]
+    with pytest.raises(ValueError, match="workloads has 'multiscale/vit_b_16/batch_8'"):
+        Workload.parse("multiscale/vit_b_16/batch_8")  # a ViT takes one image side only
+    with pytest.raises(ValueError, match="--check-tolerance must be > 0"):
+        script.resolve_settings(script.parse_args(["--device=cpu", "--check-tolerance=0"]))
+
+
+def test_check_passes_on_a_tiny_predict_workload(tmp_path, one_thread, capsys):
+    rows = bench_trainer_here(tmp_path, "--workloads=vit_b_16/batch_1", "--batches=2", "--check")
+    assert [row["run"] for row in rows] == ["first", "second"]
+    assert rows[1]["graphs_captured"] == 0
+    line = "check ok: vit_b_16/batch_1 2 batches: second run captured 0 graphs, largest difference"
+    assert line in capsys.readouterr().out
+
+
+def perturbed(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [output * 1.5 for output in outputs]  # a relative difference of 0.5
+
+
+def captured_again(runs: dict) -> None:
+    runs["second"].record.graphs_captured = 2
+
+
+def with_outputs_perturbed(runs: dict) -> None:
+    runs["first"].outputs = perturbed(runs["first"].outputs)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (
+            with_outputs_perturbed,
+            "check failed: vit_b_16/batch_1 2 batches, first run, batch 0: "
+            "relative difference 5.0e-01 of the callback's outputs to eager's, "
+            "above the tolerance 1e-04",
+        ),
+        (
+            captured_again,
+            "check failed: vit_b_16/batch_1 2 batches, second run: "
+            "the callback captured 2 graphs; expected 0 after the first run",
+        ),
+    ],
+)
+def test_check_fails_naming_the_run_and_value(tmp_path, one_thread, monkeypatch, spoil, message):
+    def spoiled_predict_runs(tower, batches, method, *args, **kwargs):
+        runs = predict_runs(tower, batches, method, *args, **kwargs)
+        if method == "callback":
+            spoil(runs)
+        return runs
+
+    monkeypatch.setattr(bench.trainer.suite, "predict_runs", spoiled_predict_runs)
+    with pytest.raises(SystemExit) as failure:
+        bench_trainer_here(tmp_path, "--workloads=vit_b_16/batch_1", "--batches=2", "--check")
+    assert str(failure.value) == message
+    # The rows are written before the check stops the benchmark.
+    assert len(json.loads((tmp_path / "trainer.json").read_text())) == 2
+
+
+def test_check_fails_when_multiscale_outputs_differ(tmp_path, one_thread, monkeypatch):
+    def spoiled_validate_runs(tower, batches, method, *args, **kwargs):
+        runs = validate_runs(tower, batches, method, *args, **kwargs)
+        if method == "callback":
+            runs["third"].outputs = runs["third"].outputs[:3] + perturbed(runs["third"].outputs[3:])
+        return runs
+
+    monkeypatch.setattr(bench.trainer.suite, "validate_runs", spoiled_validate_runs)
+    with pytest.raises(SystemExit, match="third run, batch 3: relative difference 5.0e-01"):
+        bench_trainer_here(tmp_path, *TINY_MULTISCALE, "--check")

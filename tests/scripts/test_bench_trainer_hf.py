@@ -72,6 +72,7 @@ def test_callback_outputs_equal_eager_outputs(name, one_thread):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow  # torch.compile of transformers towers: minutes
 def test_every_method_on_cuda(tmp_path):
     settings = BenchSettings(
         workloads=[Workload.parse(name) for name in HF_WORKLOADS],
