@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -14,8 +13,6 @@ from torch import nn
 from bench.methods import Method
 from bench.settings import BenchSettings
 from bench.workloads import Workload
-
-log = logging.getLogger(__name__)
 
 #: Keys every row carries, in table order.
 ROW_KEYS = (
@@ -33,7 +30,6 @@ ROW_KEYS = (
     "hit_rate",
     "host_us_per_replay",
     "launch_us_per_replay",
-    "decision_table",
     "images",
     "batches",
     "device",
@@ -100,15 +96,11 @@ def measure(
         )
     if runner.manager is not None:
         stats = runner.manager.stats
-        decisions = runner.manager.decision_table()
-        for decision in decisions:
-            log.info("%s %s decision table: %s", workload.name, method.name, decision)
         row.update(
             padding_waste=stats.padding_waste,
             hit_rate=stats.hit_rate,
             host_us_per_replay=stats.host_us_per_replay,
             launch_us_per_replay=stats.launch_us_per_replay,
-            decision_table=decisions or None,
             capture_s=stats.capture_seconds,
             pool_bytes=stats.pool_bytes if cuda else None,
             status="ok" if cuda else CPU_PATH,

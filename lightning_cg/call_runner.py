@@ -2,7 +2,7 @@
 
 A call's items are packed into sub-batches that fit the budgets; the
 :class:`~lightning_cg.routing.Router` says how each path of a sub-batch runs
-(a graph, measured dispatch's parts, or eagerly); graphs are replayed at once
+(a graph, or eagerly); graphs are replayed at once
 and every all-eager sub-batch runs together in one eager call, timed where the
 capture policy still needs eager times. The rows are kept per sub-batch
 (:class:`~lightning_cg.outputs.CallOutputs`). Whether a call may use graphs at
@@ -23,7 +23,6 @@ from lightning_cg.capture import GraphCapturer
 from lightning_cg.capture_policy import CapturePolicy
 from lightning_cg.config import GraphConfig
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.memo import StateMemo
 from lightning_cg.outputs import CallOutputs
 from lightning_cg.packing import pack_items
@@ -75,18 +74,13 @@ class CallRunner:
         self.timer = CallTimer()
         #: Sub-batches by call shape; shared lists, never changed.
         self._packings: StateMemo[list[list[int]]] = StateMemo()
-        #: Measured dispatch's decision tables (``dispatch="measured"``).
-        self.measured = MeasuredDispatch(encoder, cache, self._replay, self._eager_forward)
-        self.router = Router(
-            config, paths, cache, capturer, policy, self.measured, stats, self.timer, max_items
-        )
+        self.router = Router(config, paths, cache, capturer, policy, stats, self.timer, max_items)
         #: Called with a description when a compiled graph's first replay differs
         #: from eager; None while graphs are not compiled. Its rows are then eager's.
         self.on_compiled_mismatch: Callable[[str], None] | None = None
 
     def forget_graphs(self) -> None:
-        """Drop what was measured on the graphs: decision tables, pending timings."""
-        self.measured.drop()
+        """Drop the pending timings of the graphs."""
         self.timer.clear()
 
     def run_eagerly(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
@@ -180,12 +174,7 @@ class CallRunner:
             timing.on_cuda = self._run_eagerly(call, sub_batch)
 
     def _run_route(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
-        if route.parts:
-            # Measured dispatch split the sub-batch: each part is routed on its own.
-            for positions in route.parts:
-                part = sub_batch.part(positions)
-                self._run_route(call, self.router.route(call.graph_set, path, part), path, part)
-        elif route.graph is not None:
+        if route.graph is not None:
             self._run_graph(call, route, path, sub_batch)
         elif route.tokens:
             rows = self._eager(call, path, sub_batch)
@@ -196,10 +185,10 @@ class CallRunner:
         started = time.perf_counter()
         if self.policy.wants_graph_timing(key):
             with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
-                rows = self._replay(graph, path, sub_batch.inputs, total, served=True)
+                rows = self._replay(graph, path, sub_batch.inputs, total)
                 t.on_cuda = rows.is_cuda
         else:
-            rows = self._replay(graph, path, sub_batch.inputs, total, served=True)
+            rows = self._replay(graph, path, sub_batch.inputs, total)
         self.stats.host_seconds += time.perf_counter() - started
         # Counted once served: a replay that raised (a bad input) is no hit.
         self.stats.hits += 1
@@ -232,12 +221,8 @@ class CallRunner:
         )
         return eager
 
-    def _replay(
-        self, graph: CapturedGraph, path: str, inputs: Any, total: int, served: bool = False
-    ) -> torch.Tensor:
-        """Replay ``graph``; a served replay (not measured dispatch's trial) counts its launch."""
-        stats = self.stats if served else None
-        return replay(graph, self.encoder, self.padding_rules, path, inputs, total, stats)
+    def _replay(self, graph: CapturedGraph, path: str, inputs: Any, total: int) -> torch.Tensor:
+        return replay(graph, self.encoder, self.padding_rules, path, inputs, total, self.stats)
 
     def _eager(self, call: _Call, path: str, sub_batch: SubBatch) -> torch.Tensor:
         rows = self._eager_forward(path, sub_batch.inputs, call.inference_mode)

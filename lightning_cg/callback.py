@@ -23,8 +23,10 @@ from lightning_cg.adapters import adapter_for
 from lightning_cg.binding import CHANGED, TensorBinding
 from lightning_cg.callback_checks import (
     STAGES,
+    AdapterFactory,
     check_callback_args,
     check_strategy,
+    graph_config,
     is_compiled,
     resolve_module,
 )
@@ -34,8 +36,9 @@ from lightning_cg.callback_report import (
     report_rebinding,
     report_run,
 )
-from lightning_cg.config import GraphConfig
+from lightning_cg.config import BudgetConfig, GraphConfig
 from lightning_cg.dispatcher import GraphMode
+from lightning_cg.encoder import GraphableEncoder
 from lightning_cg.manager import EncoderGraphManager
 from lightning_cg.parallel import execute_data_parallel
 from lightning_cg.progress import CaptureProgress
@@ -55,9 +58,8 @@ class CUDAGraphCallback(Callback):
     Trainer's teardown moves it to the CPU and back), the values are copied into
     the storage the graphs read (:mod:`lightning_cg.binding`); only a change of
     shape, dtype or device recaptures. A key is captured on demand, once its
-    replays are expected to repay the capture, in the rest of the run and in
-    the runs like it expected to follow (``repay_runs``;
-    :mod:`lightning_cg.capture_policy`); until then it runs eagerly.
+    capture is expected to pay for itself (:mod:`lightning_cg.capture_policy`);
+    until then it runs eagerly.
 
     A capture that runs out of memory keeps the budgets that fit, and a path
     whose tower a graph cannot hold (a host sync such as ``.item()``) runs
@@ -69,59 +71,34 @@ class CUDAGraphCallback(Callback):
 
     Args:
         module: dotted path of the tower inside the LightningModule.
-        mode: ``none``, ``full``, ``full_uniform_only``, ``piecewise`` or
-            ``full_and_piecewise`` (see README).
-        budgets: budget choice for every path: keys ``min_budget``,
-            ``max_budget``, ``budgets`` (an explicit ladder), ``ladder``
-            (``pow2``, ``geometric`` or ``auto``: learned from the first
-            batches), ``ratio``, ``align``, and for ``auto`` ``k`` (budgets) and
-            ``auto_sample_batches``.
-        paths: per encoder path, the same keys as ``budgets``, overriding them.
-        max_items_per_batch: most items in one graph; None derives it from the
-            budgets (an ``auto`` ladder lowers it to what its sample needs).
-        max_frames_per_batch: most attention sequences (video frames) in one graph.
-        stages: the stages that run through graphs: any of ``validate``, ``test``
-            (``trainer.test``) and ``predict``.
-        capture_during_sanity_check: also use graphs for the sanity-check batches.
-        keep_graphs: keep graphs between runs; False frees them after each run.
-        verify: compare the first replay of every graph with eager; raise on a mismatch.
-        adapter: ``packed``, ``batched`` or ``hf``; None picks one by the tower's type.
-        packing: ``next_fit`` (greedy) or ``min_padding``.
-        splitting_ops: ops the PIECEWISE modes split the tower at, as
-            ``namespace::name``; None splits at attention (``scaled_dot_product_attention``
-            and the variable-length flash attention).
-        piecewise_fallback: when the tower cannot be split: ``error`` raises,
-            ``eager`` runs those batches eagerly, ``full`` uses FULL graphs.
+        stages: the stages that run through graphs: any of ``validate`` (also a
+            fit's validation), ``test`` and ``predict``.
+        mode: ``none``, ``full`` (the default), ``full_uniform_only``,
+            ``piecewise`` or ``full_and_piecewise`` (see README).
+        budgets: the token budgets of every path, a mapping of
+            :class:`~lightning_cg.config.BudgetConfig` fields (``min_budget``,
+            ``max_budget``, ``budgets``, ``ladder``, ...).
+        capture: ``paid_back`` (the default: a key is captured once the calls
+            known to come repay its capture, or the eager time spent on it
+            reaches the capture's cost), ``first_use`` (at the first batch that
+            needs it) or ``upfront`` (a path's whole ladder at its first call).
+        compile: capture a ``torch.compile``'d graph forward (default False).
+        adapter: how the tower is made graphable: ``packed``, ``batched``,
+            ``hf``, a :class:`~lightning_cg.encoder.GraphableEncoder`, or a
+            callable that builds one from the tower; None picks one by the
+            tower's type.
         encoder_data_parallel: for ranks that all receive the same batch (e.g.
             ``Trainer(use_distributed_sampler=False)``, a model-parallel language
             model): each rank encodes a share of every batch's items and the rows
             are all-gathered over the default process group
             (:func:`~lightning_cg.parallel.execute_data_parallel`). Off, or with
             one process, every rank encodes its whole batch.
-        dispatch: ``budget`` (a graph wherever a budget fits) or ``measured``
-            (graphs timed against eager on the first real items; a sub-batch
-            runs where it is faster). Measuring needs CUDA.
-        compile: capture a ``torch.compile``'d graph forward: ``"auto"`` once the
-            calls ahead (``repay_runs``) are expected to repay the
-            compile (:mod:`lightning_cg.compile_policy`), ``True`` from the first capture
-            (not with PIECEWISE modes), ``False`` never.
-        compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
-            repeated blocks once, when they hold most of its weights; else the
-            whole graph forward), ``blocks`` or ``whole``.
-        repay_runs: a key is captured (``capture="paid_back"``), and
-            ``compile="auto"`` compiles, when the rest of the run and this many
-            runs like it in all are expected to repay it: graphs and compiled
-            code outlive the run (1: the current run alone); in a fit, the
-            validation runs still to come count instead when they are more.
-        capture: ``paid_back`` (a key is captured once its expected replays,
-            over ``repay_runs``, repay the capture) or ``first_use`` (at the
-            first batch that needs it).
-        min_sightings: sightings of a key before ``paid_back`` may capture it.
-        drop_slower_graphs: send a key back to eager when its graph is measured
-            slower than its eager runs.
-        cast_weights_per_run: under autocast (``bf16-mixed``), graphs read
-            low-precision copies of ``Linear`` and ``Conv`` weights made at each
-            run's start instead of casting them on every replay.
+        keep_graphs: keep graphs between runs; False frees them after each run.
+        config: every graph option as one :class:`~lightning_cg.config.GraphConfig`,
+            instead of ``mode``, ``budgets``, ``capture``, ``compile`` and ``options``.
+        **options: any other :class:`~lightning_cg.config.GraphConfig` field
+            (``paths``, ``max_items_per_batch``, ``verify``, ``splitting_ops``,
+            ``cast_weights_per_run``, ...), documented there.
 
     Example::
 
@@ -132,61 +109,26 @@ class CUDAGraphCallback(Callback):
     def __init__(
         self,
         module: str = "vision_tower",
-        mode: str = "full",
-        budgets: Mapping[str, Any] | None = None,
-        paths: Mapping[str, Mapping[str, Any]] | None = None,
-        max_items_per_batch: int | None = None,
-        max_frames_per_batch: int | None = None,
         stages: Sequence[str] = STAGES,
-        capture_during_sanity_check: bool = False,
-        keep_graphs: bool = True,
-        verify: bool = False,
-        adapter: str | None = None,
-        packing: str = "next_fit",
-        splitting_ops: Sequence[str] | None = None,
-        piecewise_fallback: str = "error",
+        mode: str | None = None,
+        budgets: Mapping[str, Any] | BudgetConfig | None = None,
+        capture: str | None = None,
+        compile: bool | None = None,
+        adapter: str | AdapterFactory | GraphableEncoder | None = None,
         encoder_data_parallel: bool = False,
-        dispatch: str = "budget",
-        compile: bool | str = "auto",
-        compile_scope: str = "auto",
-        repay_runs: int = 2,
-        capture: str = "paid_back",
-        min_sightings: int = 2,
-        drop_slower_graphs: bool = True,
-        cast_weights_per_run: bool = True,
+        keep_graphs: bool = True,
+        config: GraphConfig | None = None,
+        **options: Any,
     ) -> None:
-        flags = {
-            "capture_during_sanity_check": capture_during_sanity_check,
-            "keep_graphs": keep_graphs,
-            "encoder_data_parallel": encoder_data_parallel,
-        }
+        flags = {"keep_graphs": keep_graphs, "encoder_data_parallel": encoder_data_parallel}
         check_callback_args(module, stages, flags, adapter)
         self.module = module
+        named = {"mode": mode, "budgets": budgets, "capture": capture, "compile": compile}
+        options = {name: value for name, value in named.items() if value is not None} | options
         #: The graph options, checked once, shared with the manager.
-        self.config = GraphConfig.from_options(
-            mode=mode,
-            budgets=budgets,
-            paths=paths,
-            max_items_per_batch=max_items_per_batch,
-            max_frames_per_batch=max_frames_per_batch,
-            verify=verify,
-            packing=packing,
-            splitting_ops=splitting_ops,
-            piecewise_fallback=piecewise_fallback,
-            dispatch=dispatch,
-            compile=compile,
-            compile_scope=compile_scope,
-            repay_runs=repay_runs,
-            # A capture that fails mid-run turns this rank eager, not the run into an error.
-            capture_errors="eager",
-            capture=capture,
-            min_sightings=min_sightings,
-            drop_slower_graphs=drop_slower_graphs,
-            cast_weights_per_run=cast_weights_per_run,
-        )
+        self.config = graph_config(config, options)
         self.mode = self.config.mode
         self.stages = tuple(stages)
-        self.capture_during_sanity_check = capture_during_sanity_check
         self.keep_graphs = keep_graphs
         self.adapter = adapter
         self.encoder_data_parallel = encoder_data_parallel
@@ -230,14 +172,10 @@ class CUDAGraphCallback(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking and not self.capture_during_sanity_check:
-            return
-        if "validate" in self.stages:
-            if trainer.sanity_checking:
-                self._swap_in(trainer, total_batches(trainer.num_sanity_val_batches))
-            else:
-                later_runs = validation_runs_after(trainer)
-                self._swap_in(trainer, total_batches(trainer.num_val_batches), later_runs)
+        # The sanity check's few batches run eagerly: they check the loop, not the speed.
+        if "validate" in self.stages and not trainer.sanity_checking:
+            later_runs = validation_runs_after(trainer)
+            self._swap_in(trainer, total_batches(trainer.num_val_batches), later_runs)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,64 +1,121 @@
-"""When a key is worth a graph: capture only what its replays are expected to repay.
+"""When a key is worth a graph: the capture rule.
 
-A capture costs a few eager runs of the key (two warm-up forwards, the
-recorded one, the synchronisation); each replay saves the difference between
-the key's eager time and its graph time. :class:`CapturePolicy` captures a key
-once it has been seen ``min_sightings`` times and
+A key (the graph of one path at one budget) is captured once a gain is
+expected from it and either
 
-    expected further sightings x estimated gain per sighting >= estimated capture cost
+- the calls known to come (the rest of the run when its length is known, and
+  the runs known to follow, such as a fit's later validation runs) are
+  expected to repay its capture, or
+- the eager time already spent on it, over every run so far, reaches what its
+  capture is expected to cost (ski rental: whatever comes next, a key costs at
+  most about twice what the better choice in hindsight would have, and keys
+  that recur run after run end up captured).
 
-where the expected sightings are the key's share of its path's sub-batches so
-far times the sub-batches of the calls a graph captured now is expected to
-serve (:meth:`CapturePolicy.horizon_calls`): the rest of the run (when the
-caller knows how many calls the run has; otherwise of a run as long as the last
-one, and at least as many calls again as so far) and, as graphs outlive the
-run, ``repay_runs - 1`` more runs like it, or the runs known to follow (a fit's
-validation runs still to come) when they are more. ``compile="auto"`` weighs
-its compile over the same horizon.
+A graph measured slower than its key's eager runs sends the key back to eager.
 
-A capture repaid over later runs makes the current one slower, so a run also
-keeps an allowance: a key is captured only when what its capture costs beyond
-what the calls known to come repay (:meth:`CapturePolicy.committed_calls`: the
-rest of this run, and the runs known to follow, such as a fit's validation runs
-still to come, but not the ``repay_runs`` guess) fits within :data:`RUN_SLACK`
-of the run's estimated eager time, plus what this run's graphs have saved, less
-what its captures have cost (:meth:`CapturePolicy.run_allowance`). So a run is
-not made slower than eager by more than that, by these estimates, for runs that
-may never come, and a key that short runs cannot afford stays eager in them.
-What the calls known to come repay is counted at a pessimistic gain
-(:meth:`~lightning_cg.cost_estimates.CostEstimates.pessimistic_gain`): on a
-path of several sizes none of whose graphs is measured, at most the eager time
-less the budget times the path's least eager seconds per token, since launches
-may hide the GPU's work.
-``compile="auto"`` keeps to the same allowance.
+The estimates, from times the caller measures (CUDA events or a clock; this
+module is pure Python):
 
-The gain is the key's eager time minus its estimated graph time, and the
-capture cost its eager time times the path's capture/eager ratio; both ratios
-come from :class:`~lightning_cg.cost_estimates.CostEstimates`, from the times
-measured on the key's path (its eager calls of several sizes, its measured
-graphs and captures) or, before those, from priors.
-
-After capture a key's replays are timed too; a graph measured slower than the
-key's eager runs sends the key back to eager. Timings come from the caller
-(CUDA events or a clock): this module is pure Python.
+- **eager time**: the key's median eager seconds per real token times the mean
+  real tokens of its sightings;
+- **graph time**: measured (the median of :data:`SAMPLES` replays); before that,
+  the nearest-sized measured graph of the path, per padded token; before any,
+  the path's eager calls fitted as ``fixed + per_token x tokens`` give
+  ``per_token x budget`` (a graph removes the launches, not the work, and
+  computes its padding), else :data:`PRIOR_GRAPH_RATIO` of the budget's eager
+  time. On a path of several sizes with no graph measured, never less than the
+  budget times the path's least eager seconds per token, since an eager call's
+  launches can hide its GPU work from the timing;
+- **capture cost**: the key's eager time times the capture/eager ratio measured
+  on its path (else on any path, else :data:`PRIOR_CAPTURE_RATIO`); the first
+  capture of a process also pays the CUDA libraries' one-time set-up, so it is
+  expected to cost :data:`FIRST_CAPTURE_FACTOR` times as much, and its time
+  teaches no ratio.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Hashable
-
-from lightning_cg.cost_estimates import CostEstimates
-from lightning_cg.key_record import KeyRecord
+from dataclasses import dataclass, field
 
 #: Timings kept per key and kind; the median of them is used.
 SAMPLES = 3
-#: The share of a run's estimated eager time that captures (and the compile)
-#: repaid only by runs that may never come may cost the run (see
-#: :meth:`CapturePolicy.run_allowance`).
-RUN_SLACK = 0.03
+#: Sightings of a key before it may be captured: the first one's eager time
+#: arrives a call late.
+MIN_SIGHTINGS = 2
+#: Graph time / eager time of a full budget, assumed before the path tells more.
+PRIOR_GRAPH_RATIO = 0.5
+#: Capture time / eager time before a capture is measured: two warm-up
+#: forwards, the recorded one, graph instantiation and a synchronisation.
+PRIOR_CAPTURE_RATIO = 5.0
+#: How much more than later ones the first capture of a process is expected to cost.
+FIRST_CAPTURE_FACTOR = 4.0
+#: Eager calls per path kept for its cost line.
+PATH_SAMPLES = 32
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
+
+
+@dataclass
+class ProcessCaptures:
+    """Captures made in this process, by every manager: the first one pays the
+    CUDA libraries' set-up."""
+
+    count: int = 0
+
+
+#: The process's captures, shared by every policy that is not given its own.
+PROCESS_CAPTURES = ProcessCaptures()
+
+
+@dataclass
+class KeyRecord:
+    """What the policy knows of one key: its path and budget, its sightings, and
+    its measured eager, graph and capture times."""
+
+    path: str
+    size: int
+    sightings: int = 0
+    real_tokens: int = 0
+    #: Eager seconds spent on the key's sightings, as estimated when each was seen.
+    eager_spent: float = 0.0
+    eager_seconds_per_token: list[float] = field(default_factory=list)
+    graph_seconds: list[float] = field(default_factory=list)
+    capture_ratio: float | None = None
+    median_eager_per_token: float | None = None
+    graph: float | None = None
+
+    @property
+    def eager(self) -> float | None:
+        """Eager seconds of a sub-batch of the key's mean real tokens."""
+        if self.median_eager_per_token is None or not self.sightings:
+            return None
+        return self.median_eager_per_token * self.real_tokens / self.sightings
+
+    @property
+    def padding_factor(self) -> float:
+        """Budget / mean real tokens: how much more a graph computes than eager."""
+        return self.size * self.sightings / max(self.real_tokens, 1)
+
+
+@dataclass
+class PathCosts:
+    """A path's eager calls (real tokens, seconds) and the token counts it has seen."""
+
+    eager_calls: list[tuple[int, float]] = field(default_factory=list)
+    token_counts: set[int] = field(default_factory=set)
+    line: tuple[float, float] | None = None
+
+    def add_call(self, tokens: int, seconds: float) -> None:
+        if len(self.eager_calls) < PATH_SAMPLES:
+            self.eager_calls.append((tokens, seconds))
+            self.line = _fit_line(self.eager_calls)
+
+    def least_seconds_per_token(self) -> float | None:
+        rates = [seconds / tokens for tokens, seconds in self.eager_calls if tokens]
+        return min(rates) if rates else None
 
 
 class CapturePolicy:
@@ -66,17 +123,13 @@ class CapturePolicy:
 
     Args:
         first_use: capture every key at its first sighting (``capture="first_use"``).
-        min_sightings: sightings before a key may be captured.
         drop_slower_graphs: :meth:`slower_than_eager` may send a key back to eager.
-        graphs_fuse_work: graphs run fused kernels (compiled capture), so eager's
-            cost per token does not bound theirs.
-        repay_runs: runs like the current one, counting it, over which a capture
-            (and a compile) may be repaid.
+        process: the captures made in this process (default: :data:`PROCESS_CAPTURES`).
 
     Example:
-        >>> policy = CapturePolicy(min_sightings=2)
+        >>> policy = CapturePolicy(process=ProcessCaptures())
         >>> policy.begin_run(expected_calls=100)
-        >>> policy.sighted("k", path="local", size=256, tokens=200)
+        >>> policy.called(); policy.sighted("k", path="local", size=256, tokens=200)
         >>> policy.decide("k")
         'wait'
     """
@@ -84,40 +137,30 @@ class CapturePolicy:
     def __init__(
         self,
         first_use: bool = False,
-        min_sightings: int = 2,
         drop_slower_graphs: bool = True,
-        graphs_fuse_work: bool = False,
-        repay_runs: int = 2,
+        process: ProcessCaptures | None = None,
     ) -> None:
         self.first_use = first_use
-        self.repay_runs = repay_runs
-        self.min_sightings = min_sightings
         self.drop_slower_graphs = drop_slower_graphs
+        #: Graphs run fused kernels (compiled capture): eager's cost per token
+        #: does not bound theirs.
+        self.graphs_fuse_work = False
+        self._process = PROCESS_CAPTURES if process is None else process
         self._keys: dict[Hashable, KeyRecord] = {}
-        #: The graph and capture cost estimates of the keys.
-        self.costs = CostEstimates(self._keys, graphs_fuse_work)
+        self._paths: dict[str, PathCosts] = {}
         self._calls = 0
         self._run_calls = 0
-        # Calls of the last run that ended: a run of unknown length is expected as long.
-        self._last_run_calls = 0
-        # This run's eager seconds of the sub-batches seen, replays' savings, captures.
-        self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
         self._expected_calls: int | None = None
-        self._later_runs = repay_runs - 1
-        self._known_later_runs = 0
+        self._later_runs = 0
 
     # ----------------------------------------------------------- observations
 
     def begin_run(self, expected_calls: int | None, later_runs: int | None = None) -> None:
-        """A run starts that will call the tower about ``expected_calls`` times and
-        that ``later_runs`` runs like it are known to follow (None: unknown)."""
-        if self._run_calls:
-            self._last_run_calls = self._run_calls
+        """A run starts that will call the tower ``expected_calls`` times and that
+        ``later_runs`` runs like it are known to follow (None: unknown)."""
         self._expected_calls = expected_calls
         self._run_calls = 0
-        self._run_eager_seconds = self._run_saved_seconds = self._run_capture_seconds = 0.0
-        self._known_later_runs = later_runs or 0
-        self._later_runs = max(self.repay_runs - 1, self._known_later_runs)
+        self._later_runs = later_runs or 0
 
     def called(self) -> None:
         """The tower was called once."""
@@ -130,12 +173,11 @@ class CapturePolicy:
         record = self._keys.setdefault(key, KeyRecord(path, size))
         record.sightings += 1
         record.real_tokens += tokens
-        eager = record.eager
-        if eager is not None:
-            self._run_eager_seconds += eager
-            if record.graph is not None and not self._slower(record):
-                self._run_saved_seconds += eager - record.graph
-        self.costs.saw_tokens(path, tokens)
+        if record.eager is not None:
+            record.eager_spent += record.eager
+        counts = self._path(path).token_counts
+        if len(counts) < 2:
+            counts.add(tokens)
 
     def wants_eager_timing(self, key: Hashable) -> bool:
         """Whether an eager run of ``key`` should be timed."""
@@ -149,29 +191,36 @@ class CapturePolicy:
 
     def record_eager(self, key: Hashable, seconds: float, tokens: int) -> None:
         """An eager run of a sub-batch of ``key`` with ``tokens`` real tokens took ``seconds``."""
-        self._keys[key].add_eager(seconds / max(tokens, 1))
+        record = self._keys[key]
+        record.eager_seconds_per_token.append(seconds / max(tokens, 1))
+        record.median_eager_per_token = statistics.median(record.eager_seconds_per_token)
 
     def record_eager_call(self, path: str, tokens: int, seconds: float) -> None:
         """An eager run of ``path`` on ``tokens`` real tokens (one or more
         sub-batches run together) took ``seconds``."""
-        self.costs.record_eager_call(path, tokens, seconds)
+        self._path(path).add_call(tokens, seconds)
 
     def record_replay(self, key: Hashable, seconds: float) -> None:
         """One replay of ``key``'s graph took ``seconds``."""
-        self._keys[key].add_graph(seconds)
+        record = self._keys[key]
+        record.graph_seconds.append(seconds)
+        record.graph = statistics.median(record.graph_seconds)
 
     def record_capture(self, key: Hashable, seconds: float, keys: int = 1) -> None:
-        """Capturing ``keys`` keys for ``key`` took ``seconds``: ``key``'s capture
-        cost is their mean (ignored for a key never sighted); the run paid all of it."""
-        self._run_capture_seconds += seconds
+        """Capturing ``keys`` keys for ``key`` took ``seconds``; their mean teaches
+        the path's capture/eager ratio, unless it was the process's first capture."""
+        first = self._process.count == 0
+        self._process.count += keys
         record = self._keys.get(key)
-        if record is not None:
-            record.capture_seconds = seconds / max(keys, 1)
+        if record is not None and record.eager and not first:
+            record.capture_ratio = seconds / max(keys, 1) / record.eager
 
     def forget_graphs(self) -> None:
         """The graphs are gone (recaptured later): keep sightings and eager times only."""
         for record in self._keys.values():
-            record.forget_graph()
+            record.graph_seconds.clear()
+            record.graph = None
+            record.capture_ratio = None
 
     # -------------------------------------------------------------- decisions
 
@@ -180,89 +229,95 @@ class CapturePolicy:
         if self.first_use:
             return CAPTURE
         record = self._keys[key]
-        if record.sightings < self.min_sightings or record.eager is None:
+        if record.sightings < MIN_SIGHTINGS or record.eager is None:
             return WAIT
-        if self.costs.awaiting_eager_line(record.path):
-            return WAIT
-        gain = record.eager * (1.0 - self.costs.graph_ratio(record))
+        gain = record.eager - self.graph_estimate(record)
         if gain <= 0:
             return NO_GAIN
-        cost = record.eager * self.costs.capture_ratio(record.path)
-        if self._expected_sightings(record) * gain < cost:
-            return WAIT
-        # The part of the cost that only runs which may never come repay must
-        # fit this run's allowance; so must what the pessimistic gain would
-        # leave unpaid of the rest.
-        repaid_by = self.costs.pessimistic_gain(record, gain)
-        unpaid = cost - self._sightings_per_call(record) * self.committed_calls() * repaid_by
-        return CAPTURE if unpaid <= self.run_allowance() else WAIT
+        cost = self.capture_estimate(record)
+        if self.known_sightings(record) * gain >= cost or record.eager_spent >= cost:
+            return CAPTURE
+        return WAIT
 
     def slower_than_eager(self, key: Hashable) -> bool:
         """Whether ``key``'s graph was measured slower than its eager runs."""
         record = self._keys.get(key)
-        return record is not None and self._slower(record)
-
-    def _slower(self, record: KeyRecord) -> bool:
-        if not self.drop_slower_graphs or record.eager is None:
+        if record is None or not self.drop_slower_graphs or record.eager is None:
             return False
         return len(record.graph_seconds) >= SAMPLES and record.graph > record.eager
+
+    def known_sightings(self, record: KeyRecord) -> float:
+        """The key's sightings expected in the calls known to come: its share of
+        the calls so far times the rest of this run (if its length is known) and
+        the runs known to follow."""
+        remaining = 0
+        run_calls = self._run_calls
+        if self._expected_calls is not None:
+            remaining = max(self._expected_calls - self._run_calls, 0)
+            run_calls = max(self._expected_calls, self._run_calls)
+        share = record.sightings / max(self._calls, 1)
+        return share * (remaining + self._later_runs * run_calls)
+
+    def graph_estimate(self, record: KeyRecord) -> float:
+        """Seconds of one replay of the key's graph (see the module docstring)."""
+        if record.graph is not None:
+            return record.graph
+        measured = [
+            (abs(other.size - record.size), other.graph / other.eager / other.padding_factor)
+            for other in self._keys.values()
+            if other.path == record.path and other.graph is not None and other.eager
+        ]
+        if measured:
+            return min(measured)[1] * record.padding_factor * record.eager
+        costs = self._path(record.path)
+        line = None if self.graphs_fuse_work else costs.line
+        if line is not None:
+            estimate = line[1] * record.size
+        else:
+            estimate = PRIOR_GRAPH_RATIO * record.padding_factor * record.eager
+        least = costs.least_seconds_per_token()
+        if self.graphs_fuse_work or len(costs.token_counts) < 2 or least is None:
+            return estimate
+        return max(estimate, least * record.size)
+
+    def capture_estimate(self, record: KeyRecord) -> float:
+        """Seconds the key's capture is expected to cost (see the module docstring)."""
+        path_ratios = [r.capture_ratio for r in self._keys.values() if r.path == record.path]
+        path_ratios = [ratio for ratio in path_ratios if ratio is not None]
+        any_ratios = [r.capture_ratio for r in self._keys.values() if r.capture_ratio is not None]
+        ratios = path_ratios or any_ratios
+        cost = record.eager * (statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO)
+        return cost * FIRST_CAPTURE_FACTOR if self._process.count == 0 else cost
 
     def estimates(self, key: Hashable) -> dict[str, float | None]:
         """What :meth:`decide` weighs for ``key`` (seconds), for logs and tests."""
         record = self._keys[key]
+        eager = record.eager
         return {
             "sightings": record.sightings,
-            "eager_s": record.eager,
-            "graph_s": record.graph,
-            "graph_ratio": self.costs.graph_ratio(record),
-            "capture_ratio": self.costs.capture_ratio(record.path),
-            "expected_sightings": self._expected_sightings(record),
+            "eager_s": eager,
+            "graph_s": None if eager is None else self.graph_estimate(record),
+            "capture_s": None if eager is None else self.capture_estimate(record),
+            "eager_spent_s": record.eager_spent,
+            "known_sightings": self.known_sightings(record),
         }
 
-    def remaining_calls(self) -> int:
-        """Calls the run still expects. When its length is unknown: the rest of a
-        run as long as the last one, and at least as many again as this run has
-        made so far; like the horizon, the estimate does not grow with the runs made."""
-        if self._expected_calls is None:
-            return max(self._last_run_calls - self._run_calls, self._run_calls)
-        return max(self._expected_calls - self._run_calls, 0)
+    def _path(self, path: str) -> PathCosts:
+        return self._paths.setdefault(path, PathCosts())
 
-    def run_calls(self) -> int:
-        """The calls of the whole run: expected, or so far and :meth:`remaining_calls`."""
-        if self._expected_calls is None:
-            return self._run_calls + self.remaining_calls()
-        return max(self._expected_calls, self._run_calls)
 
-    def horizon_calls(self) -> int:
-        """Calls a graph captured now is expected to serve: the rest of this run,
-        and the later runs like it (``repay_runs - 1``, or the runs known to
-        follow when more). Fixed per run: it does not grow with the runs made."""
-        return self.remaining_calls() + self._later_runs * self.run_calls()
-
-    def committed_calls(self) -> int:
-        """Calls known to come: the rest of this run (as :meth:`remaining_calls`
-        estimates it when the run's length is unknown), and the runs known to
-        follow (a fit's validation runs still to come). What a capture or the
-        compile costs beyond what these repay is paid from :meth:`run_allowance`."""
-        return self.remaining_calls() + self._known_later_runs * self.run_calls()
-
-    def run_allowance(self) -> float:
-        """Seconds captures or the compile may still cost this run beyond what the
-        calls known to come repay (:meth:`committed_calls`):
-        :data:`RUN_SLACK` of the run's estimated eager time (the eager time of its
-        sub-batches so far, scaled to :meth:`run_calls`), plus what its replays
-        saved (eager less measured graph time), less its capture seconds.
-
-        Sub-batches count at the estimates known when they were seen: those of a
-        key not timed yet count nothing, nor do replays before their graph is
-        timed, which errs on the side of eager.
-        """
-        run_eager = self._run_eager_seconds * self.run_calls() / max(self._run_calls, 1)
-        return RUN_SLACK * run_eager + self._run_saved_seconds - self._run_capture_seconds
-
-    def _expected_sightings(self, record: KeyRecord) -> float:
-        return self._sightings_per_call(record) * self.horizon_calls()
-
-    def _sightings_per_call(self, record: KeyRecord) -> float:
-        """The key's sightings per call so far, over every run."""
-        return record.sightings / max(self._calls, 1)
+def _fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)`` samples; None
+    with fewer than two sizes or a slope the noise made negative."""
+    if len({tokens for tokens, _ in samples}) < 2:
+        return None
+    mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
+    mean_seconds = statistics.fmean(seconds for _, seconds in samples)
+    spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
+    per_token = (
+        sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
+        / spread
+    )
+    if per_token <= 0:
+        return None
+    return max(mean_seconds - per_token * mean_tokens, 0.0), per_token

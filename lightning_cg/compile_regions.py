@@ -156,8 +156,8 @@ class CompiledBlocks:
     @functools.cached_property
     def compiled_forward(self) -> Callable:
         """The blocks' class ``forward``, compiled. Made at first use: the first
-        ``torch.compile`` imports dynamo (seconds), which a tower that never
-        compiles (``compile="auto"`` in a short run) should not pay."""
+        ``torch.compile`` imports dynamo (seconds), which a tower whose calls all
+        run eagerly should not pay."""
         return self._compile_function(type(self.blocks[0]).forward)
 
     @contextmanager

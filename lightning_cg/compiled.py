@@ -12,11 +12,8 @@ own cudagraphs (``reduce-overhead``) stay off. ``compile_scope`` says what is
 compiled: the tower's repeated blocks, once for all of them
 (:mod:`lightning_cg.compile_regions`), or the whole graph forward.
 
-With ``compile="auto"`` the manager wraps the adapter from the start but
-starts compiling only when :mod:`lightning_cg.compile_policy` says a run repays
-it; until then the graph forward is the adapter's own. A compile the user did
-not ask for must not break a run: if it fails, the adapter's forward serves
-from then on, with a warning. With either value the manager compares each
+Compiling is the user's choice, made at construction (``compile=True``), as
+with ``torch.compile``: a failed compile raises. The manager compares each
 compiled graph's first replay with eager and gives compiling up
 (:meth:`CompiledEncoder.give_up`) when they differ: inductor has been seen to
 miscompile a tower's blocks at some sizes.
@@ -39,24 +36,24 @@ from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncod
 if TYPE_CHECKING:  # config imports this module for check_compile
     from lightning_cg.config import GraphConfig
 
-#: Values of the ``compile`` option: off, on from the first capture, or when a run repays it.
-COMPILE_CHOICES = (False, True, "auto")
+#: Values of the ``compile`` option: off, or on from the first capture.
+COMPILE_CHOICES = (False, True)
 
 
-def check_compile(compile: bool | str, mode: GraphMode) -> bool | str:
+def check_compile(compile: bool, mode: GraphMode) -> bool:
     """``compile`` if it is one of :data:`COMPILE_CHOICES` and ``mode`` can capture
-    a compiled graph forward (``auto`` never compiles in PIECEWISE modes).
+    a compiled graph forward.
 
     Raises:
         ValueError: another value, or ``compile=True`` with a mode that splits the
             graph forward into pieces (PIECEWISE), which a compiled forward cannot be.
     """
-    if not (isinstance(compile, bool) or compile == "auto"):
-        raise ValueError(f"compile must be one of true, false, auto; got compile={compile!r}")
-    if compile is True and mode.requires_piecewise():
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be true or false; got compile={compile!r}")
+    if compile and mode.requires_piecewise():
         raise ValueError(
             "compile=True captures the whole compiled graph forward; mode "
-            f"{mode.value!r} splits it into pieces. Use compile=False (or auto), or a mode "
+            f"{mode.value!r} splits it into pieces. Use compile=False, or a mode "
             "without pieces: none, full, full_uniform_only"
         )
     return compile
@@ -69,9 +66,7 @@ def compiled_encoder_for(
     on_give_up: Callable[[], None],
 ) -> CompiledEncoder | None:
     """The compiling wrapper ``config.compile`` asks for around ``encoder``:
-    started for ``True``; for ``auto``, unstarted (the manager starts it once
-    compiling pays) and falling back to the uncompiled forward if the compile
-    fails; None for ``False`` and for ``auto`` in a mode without FULL graphs.
+    compiling from the first graph forward for ``True``; None for ``False``.
 
     Args:
         encoder: the adapter.
@@ -79,20 +74,10 @@ def compiled_encoder_for(
         on_compile: called with the seconds of each graph forward that may compile.
         on_give_up: called once compiling is given up.
     """
-    compile_now = config.compile is True
-    mode = config.mode
-    compiles_later = (
-        config.compile == "auto" and mode is not GraphMode.NONE and not mode.requires_piecewise()
-    )
-    if not (compile_now or compiles_later):
+    if config.compile is not True:
         return None
     return CompiledEncoder(
-        encoder,
-        on_compile=on_compile,
-        scope=config.compile_scope,
-        started=compile_now,
-        fall_back=not compile_now,
-        on_give_up=on_give_up,
+        encoder, on_compile=on_compile, scope=config.compile_scope, on_give_up=on_give_up
     )
 
 
@@ -113,9 +98,6 @@ class CompiledEncoder:
         on_compile: called with the seconds of each graph forward that may compile.
         scope: a :data:`~lightning_cg.compile_regions.COMPILE_SCOPES` value: what
             is compiled, the tower's repeated blocks or the whole graph forward.
-        started: compile from the first graph forward; False waits for :meth:`start`.
-        fall_back: a failed compile warns and the adapter's own graph forward
-            serves from then on, instead of raising.
         on_give_up: called once compiling is given up (:meth:`give_up`).
 
     Example:
@@ -129,8 +111,6 @@ class CompiledEncoder:
         backend: str | Callable = "inductor",
         on_compile: Callable[[float], None] | None = None,
         scope: str = "auto",
-        started: bool = True,
-        fall_back: bool = False,
         on_give_up: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
@@ -157,12 +137,10 @@ class CompiledEncoder:
         #: Seconds of the graph forwards that may compile: compilation, mostly.
         self.compile_seconds = 0.0
         self.on_compile = on_compile
-        #: Whether graph forwards run compiled (see :meth:`start`).
-        self.started = started
-        self.fall_back = fall_back
+        #: Whether graph forwards run compiled (until :meth:`give_up`).
+        self.started = True
         self.on_give_up = on_give_up
-        #: Why compiling was given up (a failed compile with ``fall_back``, or
-        #: outputs that differ from eager), or None.
+        #: Why compiling was given up (outputs that differ from eager), or None.
         self.compile_error: str | None = None
         # The adapter's answer to which graphs collect per-layer outputs (optional).
         self._collects_layer_outputs: Callable[[str, Mapping[str, torch.Tensor]], bool] | None = (
@@ -173,24 +151,11 @@ class CompiledEncoder:
     @functools.cached_property
     def compiled_forward(self) -> Callable:
         """The graph forward with its compiled part. Made at first use: the first
-        ``torch.compile`` imports dynamo (seconds), which a manager that never
-        compiles (``compile="auto"`` in a short run) should not pay."""
+        ``torch.compile`` imports dynamo (seconds), which a manager whose calls all
+        run eagerly should not pay."""
         if self.compiled_blocks is None:
             return self._forward_compiled_whole
         return self._forward_with_compiled_blocks
-
-    @property
-    def compiles(self) -> str:
-        """What is compiled: ``blocks``, or the whole forward at ``whole_static`` or
-        ``whole_dynamic`` shapes (the keys of the compile-time estimates)."""
-        if self.compiled_blocks is not None:
-            return "blocks"
-        return "whole_static" if self.static_shapes else "whole_dynamic"
-
-    def start(self) -> None:
-        """Run graph forwards compiled from now on (graphs captured before ran the
-        adapter's own forward: the caller drops them)."""
-        self.started = self.compile_error is None
 
     # The protocol's methods are spelled out: isinstance checks of runtime
     # protocols look them up statically (Python >= 3.12), past __getattr__.
@@ -226,7 +191,7 @@ class CompiledEncoder:
         return self.encoder.postprocess(outputs, inputs)
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The wrapped encoder's graph forward, compiled once :attr:`started` (but
+        """The wrapped encoder's graph forward, compiled while :attr:`started` (but
         see :meth:`_runs_uncompiled`)."""
         if not self.started or self._runs_uncompiled(path, buffers):
             return self.encoder.graph_forward(path, buffers)
@@ -234,14 +199,7 @@ class CompiledEncoder:
         if compiled_for in self._compiled:
             return self.compiled_forward(path, buffers)
         began = time.perf_counter()
-        try:
-            output = self.compiled_forward(path, buffers)
-        except torch.OutOfMemoryError:
-            raise  # the capturer's to handle (a budget too large), not the compile's
-        except Exception as error:
-            if not self.fall_back:
-                raise
-            return self._give_up_compiling(error, path, buffers)
+        output = self.compiled_forward(path, buffers)
         seconds = time.perf_counter() - began
         self.compile_seconds += seconds
         self._compiled.add(compiled_for)
@@ -274,14 +232,6 @@ class CompiledEncoder:
             and self._collects_layer_outputs is not None
             and self._collects_layer_outputs(path, buffers)
         )
-
-    def _give_up_compiling(
-        self, error: Exception, path: str, buffers: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        # Dynamo's errors span lines (a backend's own error comes after a header).
-        lines = (line.strip() for line in str(error).splitlines())
-        self.give_up(f"{type(error).__name__}: {' '.join(filter(None, lines))}")
-        return self.encoder.graph_forward(path, buffers)
 
     @functools.cached_property
     def _compiled_whole(self) -> Callable:

@@ -16,7 +16,6 @@ from lightning_cg.budgets import AUTO_LADDER, LADDERS
 from lightning_cg.compile_regions import COMPILE_SCOPES
 from lightning_cg.compiled import check_compile
 from lightning_cg.dispatcher import GraphMode
-from lightning_cg.measured import check_dispatch
 from lightning_cg.packing import PACKING_STRATEGIES
 from lightning_cg.piecewise import (
     DEFAULT_SPLITTING_OPS,
@@ -26,9 +25,9 @@ from lightning_cg.piecewise import (
 
 #: What a capture error without a known fallback does (``capture_errors``).
 CAPTURE_ERRORS = ("raise", "eager")
-#: When a key is captured (``capture``): once its replays are expected to repay
-#: the capture (``paid_back``), or the first time a batch needs it (``first_use``).
-CAPTURE_POLICIES = ("paid_back", "first_use")
+#: When a key is captured (``capture``): once its capture is expected to pay for
+#: itself, the first time a batch needs it, or a path's whole ladder at its first call.
+CAPTURE_POLICIES = ("paid_back", "first_use", "upfront")
 
 
 def _check_positive_int(name: str, value: Any, none_ok: bool = False) -> None:
@@ -76,9 +75,7 @@ class BudgetConfig:
             ladder coarser than this (``pow2``, or ``geometric`` with a larger
             ratio) becomes ``geometric`` with this ratio over the same range:
             finer budgets then cost only their captures and pad less. None
-            keeps the ladder; explicit and ``auto`` ladders are always kept,
-            and so is every ladder with ``dispatch="measured"`` (it captures
-            and times a path's whole ladder).
+            keeps the ladder; explicit and ``auto`` ladders are always kept.
     """
 
     min_budget: int | None = None
@@ -180,35 +177,21 @@ class GraphConfig:
         splitting_ops: ops PIECEWISE graphs split the tower at (``namespace::name``).
         piecewise_fallback: ``error``, ``eager`` or ``full``: what a path whose
             tower cannot be split does.
-        dispatch: ``budget`` (the smallest fitting budget's graph) or
-            ``measured`` (a path's whole ladder captured and timed against
-            eager on its first real items; graphs only where faster).
-        compile: ``auto``: capture a ``torch.compile``'d graph forward once the
-            calls ahead (``repay_runs``) are expected to repay the compile and
-            what the calls known to come leave unpaid fits the run's allowance
-            (:mod:`lightning_cg.compile_policy`; a failed compile falls back to
-            the uncompiled forward); ``true``: from the first capture; ``false``: never.
-        repay_runs: a key is captured (``capture="paid_back"``), and
-            ``compile="auto"`` compiles, when the run's remaining calls and
-            this many runs like it in all, counting the current one, are
-            expected to repay it: graphs and compiled code outlive the run, and
-            a Trainer's runs repeat. 1 weighs the current run alone. Runs known
-            to follow (``begin_run``'s ``later_runs``) count instead when they
-            are more. What the rest of the run and the runs known to follow
-            do not repay must fit the current run's allowance
-            (:mod:`lightning_cg.capture_policy`).
+        compile: ``true``: capture a ``torch.compile``'d graph forward from the
+            first capture (not with PIECEWISE modes); ``false`` (the default): never.
         compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
             repeated blocks, once for all of them, when they hold most of its
             weights; else the whole graph forward), ``blocks`` or ``whole``
             (:mod:`lightning_cg.compile_regions`). Not with ``compile=false``.
         capture_errors: ``raise`` a capture error without a known fallback, or
             turn every path ``eager`` from then on.
-        capture: ``paid_back``: a key runs eagerly until it has been seen
-            ``min_sightings`` times and its expected replays (over
-            ``repay_runs``) repay its capture, within what the current run
-            can afford (:mod:`lightning_cg.capture_policy`);
-            ``first_use``: a key is captured the first time a batch needs it.
-        min_sightings: sightings of a key before ``paid_back`` may capture it.
+        capture: when a key is captured (:mod:`lightning_cg.capture_policy`):
+            ``paid_back`` once its capture is expected to pay for itself (the
+            calls known to come repay it, or the eager time spent on it reaches
+            its cost), ``first_use`` the first time a batch needs it,
+            ``upfront`` a path's whole ladder at the path's first call. A graph
+            measured slower than its key's eager runs goes back to eager
+            (``drop_slower_graphs``).
         drop_slower_graphs: a key whose replays are measured slower than its
             eager runs goes back to eager.
         cast_weights_per_run: under autocast, FULL graphs read low-precision
@@ -228,13 +211,10 @@ class GraphConfig:
     verify: bool = False
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     piecewise_fallback: str = "error"
-    dispatch: str = "budget"
-    compile: bool | str = "auto"
+    compile: bool = False
     compile_scope: str = "auto"
-    repay_runs: int = 2
     capture_errors: str = "raise"
     capture: str = "paid_back"
-    min_sightings: int = 2
     drop_slower_graphs: bool = True
     cast_weights_per_run: bool = True
 
@@ -264,18 +244,15 @@ class GraphConfig:
             _check_bool(name, getattr(self, name))
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)
-        check_dispatch(self.dispatch)
         check_compile(self.compile, self.mode)
         _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
         if self.compile_scope != "auto" and self.compile is False:
             raise ValueError(
                 f"compile_scope={self.compile_scope!r} says what compile compiles; "
-                "compile is False. Set compile=True or 'auto', or leave compile_scope at 'auto'"
+                "compile is False. Set compile=True, or leave compile_scope at 'auto'"
             )
-        _check_positive_int("repay_runs", self.repay_runs)
         _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
-        _check_positive_int("min_sightings", self.min_sightings)
 
     @classmethod
     def from_options(

@@ -14,14 +14,12 @@ lifecycle (runs, clearing, learning budgets) it keeps:
   capturing now (on demand, once its replays are expected to repay it);
 - :class:`~lightning_cg.capture.GraphCapturer`: capture and fault recovery;
 - :class:`~lightning_cg.compiling.CompileLifecycle`: compiled capture
-  (``compile=True`` or ``"auto"``): the compiling wrapper, when ``compile="auto"``
-  starts compiling (:class:`~lightning_cg.compile_policy.CompilePolicy`), the
-  compiled plans, and the uncompiled ones back when compiling is given up;
+  (``compile=True``): the compiling wrapper, the compiled plans, and the
+  uncompiled ones back when compiling is given up;
 - :class:`~lightning_cg.call_runner.CallRunner`: one call, sub-batch by
   sub-batch (routing by :class:`~lightning_cg.routing.Router`, replay by
   :mod:`lightning_cg.replay`: fill, pad, replay, verify);
-- :class:`~lightning_cg.auto_ladder.AutoLadder` and
-  :class:`~lightning_cg.measured_dispatch.MeasuredDispatch`: the tuning options;
+- :class:`~lightning_cg.auto_ladder.AutoLadder`: budgets learned from the first batches;
 - :class:`~lightning_cg.stats.GraphStats`: counters.
 
 Without CUDA the same path runs (static buffers, padding, graph forward or
@@ -40,12 +38,10 @@ from lightning_cg.cache import GraphCache, GraphSet
 from lightning_cg.call_runner import CallRunner
 from lightning_cg.capture import GraphCapturer, ProgressFn, path_keys
 from lightning_cg.capture_policy import CapturePolicy
-from lightning_cg.compile_policy import CompilePolicy
 from lightning_cg.compiled import CompiledEncoder
 from lightning_cg.compiling import CompileLifecycle
 from lightning_cg.config import BudgetConfig, GraphConfig
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.outputs import CallOutputs
 from lightning_cg.plan import path_budget_choices, plan_paths
 from lightning_cg.replay import autocast_key
@@ -104,10 +100,8 @@ class EncoderGraphManager:
             encoder, self.config, self.paths, self.cache, self.stats, progress, weight_casts
         )
         self.policy = CapturePolicy(
-            first_use=self.config.capture == "first_use",
-            min_sightings=self.config.min_sightings,
+            first_use=self.config.capture in ("first_use", "upfront"),
             drop_slower_graphs=self.config.drop_slower_graphs,
-            repay_runs=self.config.repay_runs,
         )
         self.auto_ladder = AutoLadder(
             choices,
@@ -152,11 +146,6 @@ class EncoderGraphManager:
         return self.compiling.compiled_encoder
 
     @property
-    def compile_policy(self) -> CompilePolicy | None:
-        """When ``compile="auto"`` starts compiling; None when it cannot or has."""
-        return self.compiling.compile_policy
-
-    @property
     def weight_casts(self) -> WeightCasts | None:
         """The low-precision weight copies graphs are captured with (None: off,
         or compiled graphs); the capturer's, refreshed at each run's start."""
@@ -172,11 +161,6 @@ class EncoderGraphManager:
         self.runner.router.max_items = max_items
 
     @property
-    def measured(self) -> MeasuredDispatch:
-        """Measured dispatch's decision tables (``dispatch="measured"``)."""
-        return self.runner.measured
-
-    @property
     def learned_budgets(self) -> dict[str, dict[str, Any]]:
         """Per auto path: the learned ladder, its expected padding and sample size."""
         return self.auto_ladder.learned
@@ -185,7 +169,7 @@ class EncoderGraphManager:
         """Start a run: zero the run counters, tell the capture policy how many
         calls to expect (None: unknown) and how many runs like it are known to
         follow (a fit's validation runs still to come; None: unknown), which
-        bound what a capture or the compile can repay, and bring the weight
+        bound what a capture can repay, and bring the weight
         copies graphs read to the tower's current weights."""
         self.stats.reset_run()
         self.policy.begin_run(expected_calls, later_runs)
@@ -215,18 +199,6 @@ class EncoderGraphManager:
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
 
-    def start_compiling(self) -> None:
-        """Capture the compiled graph forward from now on (``compile="auto"`` does
-        this when a run is expected to repay it). The graphs of the uncompiled
-        forward are dropped; keys are captured again, compiled, as they pay.
-        Nothing happens once compiling has started, or has been given up.
-
-        Raises:
-            RuntimeError: nothing may compile (``compile=False``, or a mode
-                without FULL graphs).
-        """
-        self.compiling.start()
-
     def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
         """Learn the ladder of every ``auto`` path from a sample of batches.
 
@@ -247,12 +219,7 @@ class EncoderGraphManager:
 
     def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
         """Capture every key of ``paths`` (default: all) for one adapter signature now,
-        whatever the capture policy says (e.g. to capture before a timed run).
-
-        With ``compile="auto"``, these graphs are dropped when compiling starts
-        (its keys are captured again, compiled, as they pay); ``compile=False``
-        keeps them.
-        """
+        whatever the capture policy says (e.g. to capture before a timed run)."""
         graph_set = GraphSet(signature, autocast_key())
         keys = [
             key
@@ -261,10 +228,6 @@ class EncoderGraphManager:
             for key in path_keys(graph_set, path, self.paths[path])
         ]
         self.capturer.capture(keys, self.max_items)
-
-    def decision_table(self) -> list[dict[str, Any]]:
-        """Rows of the measured decision tables (``dispatch="measured"``, CUDA only)."""
-        return self.measured.rows()
 
     # -------------------------------------------------------------- execution
 
@@ -295,8 +258,6 @@ class EncoderGraphManager:
         if torch.is_grad_enabled() or self._sampling(specs):
             return self.runner.run_eagerly(inputs, specs)
         self.compiling.before_call()
-        if self.compile_policy is not None:
-            return self.compiling.run_weighing_compile(inputs, specs)
         return self.runner.run(inputs, specs)
 
     def _sampling(self, specs: list[ItemSpec]) -> bool:

@@ -2,7 +2,7 @@
 
 For each path of a sub-batch the :class:`Router` looks up the key its plan's
 dispatcher gives, finds the key's graph in the cache or asks the capture
-policy whether capturing it now pays, and applies measured dispatch. It only
+policy whether capturing it now pays. It only
 decides: running the route is the
 :class:`~lightning_cg.call_runner.CallRunner`'s job. Routing reads the items'
 sizes, not their tensors, so a sub-batch that runs eagerly is never gathered
@@ -23,7 +23,6 @@ from lightning_cg.capture_policy import CAPTURE, NO_GAIN, CapturePolicy
 from lightning_cg.config import GraphConfig
 from lightning_cg.dispatcher import BatchDescriptor, GraphMode
 from lightning_cg.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.measured_dispatch import MeasuredDispatch
 from lightning_cg.memo import StateMemo
 from lightning_cg.plan import PathPlan, frames_fit_items
 from lightning_cg.stats import GraphStats
@@ -71,21 +70,9 @@ class SubBatch:
             tokens = self._tokens[path] = [spec.path_tokens.get(path, 0) for spec in self.specs]
         return tokens
 
-    def part(self, positions: tuple[int, ...]) -> SubBatch:
-        """The items at ``positions`` of this sub-batch, as a sub-batch of their own,
-        selected from the call's inputs (one gather, not two)."""
-        return SubBatch(
-            self._encoder,
-            self._call_inputs,
-            self._call_size,
-            [self.indices[i] for i in positions],
-            [self.specs[i] for i in positions],
-        )
-
-
 @dataclass(frozen=True)
 class Route:
-    """How one path of one sub-batch runs: a graph, parts of its own, or eagerly.
+    """How one path of one sub-batch runs: a graph, or eagerly.
 
     ``key`` is set for an eager route whose key has no graph yet, so the policy
     can learn the key's eager time.
@@ -94,11 +81,10 @@ class Route:
     tokens: int
     key: GraphKey | None = None
     graph: CapturedGraph | None = None
-    parts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def eager(self) -> bool:
-        return self.graph is None and not self.parts
+        return self.graph is None
 
 
 class Router:
@@ -110,7 +96,6 @@ class Router:
         cache: the captured graphs.
         capturer: captures keys, recovering from faults.
         policy: whether a key is worth capturing, and whether a graph is slower than eager.
-        measured: measured dispatch's tables (``dispatch="measured"``).
         stats: counters of eager runs by reason.
         timer: CUDA-event timings the policy learns from.
         max_items: the item cap of a sub-batch (the manager updates it).
@@ -123,7 +108,6 @@ class Router:
         cache: GraphCache,
         capturer: GraphCapturer,
         policy: CapturePolicy,
-        measured: MeasuredDispatch,
         stats: GraphStats,
         timer: CallTimer,
         max_items: int,
@@ -133,7 +117,6 @@ class Router:
         self.cache = cache
         self.capturer = capturer
         self.policy = policy
-        self.measured = measured
         self.stats = stats
         self.timer = timer
         self.max_items = max_items
@@ -158,8 +141,6 @@ class Router:
         if graph is None:
             self.stats.count_eager(reason)
             return Route(key=key, tokens=total)
-        if self.config.dispatch == "measured":
-            return self._measured_route(key, graph, sub_batch, tokens)
         return Route(key=key, graph=graph, tokens=total)
 
     def key(
@@ -231,8 +212,8 @@ class Router:
 
     def _capture_key(self, key: GraphKey) -> None:
         plan = self.paths[key.path]
-        # Measured dispatch times a path's whole ladder, so it captures it at once.
-        whole_ladder = self.config.dispatch == "measured"
+        # capture="upfront" captures a path's whole ladder at its first call.
+        whole_ladder = self.config.capture == "upfront"
         keys = path_keys(key.graph_set, key.path, plan) if whole_ladder else [key]
         compile_before = self.stats.compile_seconds
         seconds = self.capturer.capture(keys, self.max_items)
@@ -240,20 +221,3 @@ class Router:
         # shapes, also at a new budget's): paid once, not by each further key.
         seconds -= self.stats.compile_seconds - compile_before
         self.policy.record_capture(key, seconds, keys=len(keys))
-
-    def _measured_route(
-        self, key: GraphKey, graph: CapturedGraph, sub_batch: SubBatch, tokens: list[int]
-    ) -> Route:
-        """The route measured dispatch picks: the graph, parts of the sub-batch, or eager."""
-        graph_set, path, total = key.graph_set, key.path, sum(tokens)
-        if not self.measured.has_table(graph_set, path):
-            self.measured.measure(graph_set, path, sub_batch.inputs, sub_batch.specs)
-        decision = self.measured.decide(graph_set, path, tokens)
-        if decision is not None and decision.runner == "split":
-            self.stats.measured_splits += 1
-            return Route(key=key, tokens=total, parts=decision.parts)
-        if decision is not None and decision.runner == "eager":
-            self.stats.measured_eager += 1
-            self.stats.misses += 1
-            return Route(tokens=total)
-        return Route(key=key, graph=graph, tokens=total)

@@ -7,74 +7,111 @@ override into these dataclasses: a wrong type (``cudagraph.budgets.max_budget=ab
 fails at composition, naming the full key. Importing this module registers the
 schema in Hydra's ConfigStore; :mod:`lightning_cg.app` imports it.
 
-Flags are typed ``Any``, not ``bool``: OmegaConf would turn ``yes``, ``off``,
-``0`` or ``2`` into a bool silently; left as given, the callback
-(:class:`~lightning_cg.CUDAGraphCallback`) and :func:`lightning_cg.app.check_config`
-accept exactly ``true`` and ``false``. Choices (``mode``, ``packing``, ...) are
-strings the callback checks against its allowed values. The budget fields'
-defaults are :class:`~lightning_cg.config.BudgetConfig`'s.
+The ``cudagraph`` node is built from :class:`~lightning_cg.config.GraphConfig`
+and :class:`~lightning_cg.config.BudgetConfig`, the one place an option is
+declared, plus the callback's own arguments: its keys, types and defaults
+follow theirs. Flags are typed ``Any``, not ``bool``: OmegaConf would turn
+``yes``, ``off``, ``0`` or ``2`` into a bool silently; left as given, the
+callback accepts exactly ``true`` and ``false``. Choices (``mode``, ``packing``,
+...) are strings the callback checks against its allowed values.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from lightning_cg.config import BudgetConfig
+from lightning_cg.callback_checks import STAGES
+from lightning_cg.config import BudgetConfig, GraphConfig
 
 #: The name the apps' YAML files list first in their defaults.
 APP_SCHEMA = "app_schema"
+#: GraphConfig fields the callback sets itself.
+CALLBACK_SET = ("capture_errors",)
 
 
-@dataclass
-class BudgetsSchema:
-    """``cudagraph.budgets``: the fields of :class:`~lightning_cg.config.BudgetConfig`."""
+def _node_type(annotation: Any) -> Any:
+    """The OmegaConf type of a config field's annotation."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is bool:
+        return Any
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return str
+    if annotation is BudgetConfig:
+        return BudgetsSchema
+    if origin in (Mapping, dict):
+        return dict[str, Any]  # each path's entry overrides only the keys it names
+    if origin in (tuple, Sequence, list):
+        return list[args[0]]
+    if type(None) in args:
+        (inner,) = [arg for arg in args if arg is not type(None)]
+        return _node_type(inner) | None
+    return annotation
 
-    min_budget: int | None = None
-    max_budget: int | None = None
-    budgets: list[int] | None = None
-    ladder: str = BudgetConfig.ladder
-    ratio: float = BudgetConfig.ratio
-    align: int = BudgetConfig.align
-    k: int = BudgetConfig.k
-    auto_sample_batches: int = BudgetConfig.auto_sample_batches
-    compiled_ratio: float | None = BudgetConfig.compiled_ratio
+
+def _node_default(config_field: dataclasses.Field) -> dataclasses.Field:
+    if config_field.default_factory is not dataclasses.MISSING:
+        made = config_field.default_factory()
+        if isinstance(made, BudgetConfig):
+            return field(default_factory=BudgetsSchema)
+        return field(default_factory=type(made))
+    default = config_field.default
+    if isinstance(default, enum.Enum):
+        return field(default=default.value)
+    if isinstance(default, tuple):
+        # A tuple default (splitting_ops) is the callback's None.
+        return field(default=None)
+    return field(default=default)
 
 
-@dataclass
-class CUDAGraphSchema:
-    """``cudagraph``: the keyword arguments of :class:`~lightning_cg.CUDAGraphCallback`."""
+def _schema_fields(config_class: type, skip: Sequence[str] = ()) -> list[tuple]:
+    hints = typing.get_type_hints(config_class)
+    fields = []
+    for config_field in dataclasses.fields(config_class):
+        if config_field.name in skip:
+            continue
+        node_type = _node_type(hints[config_field.name])
+        if isinstance(config_field.default, tuple):
+            node_type = node_type | None
+        fields.append((config_field.name, node_type, _node_default(config_field)))
+    return fields
 
-    _target_: str = "lightning_cg.CUDAGraphCallback"
-    _convert_: str = "all"
-    module: str = "vision_tower"
-    mode: str = "full"
-    budgets: BudgetsSchema = field(default_factory=BudgetsSchema)
-    # Each entry overrides only the keys of `budgets` it names, so entries stay untyped
-    # here (schema defaults would name every key); the callback checks them.
-    paths: dict[str, Any] = field(default_factory=dict)
-    max_items_per_batch: int | None = None
-    max_frames_per_batch: int | None = None
-    stages: list[str] = field(default_factory=lambda: ["validate", "test", "predict"])
-    capture_during_sanity_check: Any = False
-    keep_graphs: Any = True
-    verify: Any = False
-    adapter: str | None = None
-    packing: str = "next_fit"
-    splitting_ops: list[str] | None = None
-    piecewise_fallback: str = "error"
-    encoder_data_parallel: Any = False
-    dispatch: str = "budget"
-    compile: Any = "auto"
-    compile_scope: str = "auto"
-    repay_runs: int = 2
-    capture: str = "paid_back"
-    min_sightings: int = 2
-    drop_slower_graphs: Any = True
-    cast_weights_per_run: Any = True
+
+def _schema(name: str, fields: list[tuple], doc: str) -> type:
+    schema = dataclasses.make_dataclass(name, fields)
+    schema.__module__, schema.__doc__ = __name__, doc
+    return schema
+
+
+BudgetsSchema = _schema(
+    "BudgetsSchema",
+    _schema_fields(BudgetConfig),
+    "``cudagraph.budgets``: the fields of :class:`~lightning_cg.config.BudgetConfig`.",
+)
+
+#: The callback's own arguments, then every GraphConfig field it takes.
+CUDAGraphSchema = _schema(
+    "CUDAGraphSchema",
+    [
+        ("_target_", str, field(default="lightning_cg.CUDAGraphCallback")),
+        ("_convert_", str, field(default="all")),
+        ("module", str, field(default="vision_tower")),
+        ("stages", list[str], field(default_factory=lambda: list(STAGES))),
+        # A name, or a _target_ node that builds an adapter (_partial_: a factory).
+        ("adapter", Any, field(default=None)),
+        ("encoder_data_parallel", Any, field(default=False)),
+        ("keep_graphs", Any, field(default=True)),
+        *_schema_fields(GraphConfig, skip=CALLBACK_SET),
+    ],
+    "``cudagraph``: the keyword arguments of :class:`~lightning_cg.CUDAGraphCallback`.",
+)
 
 
 @dataclass

@@ -28,9 +28,7 @@ class GraphStats:
     driver's work, not the manager's); compile seconds the first
     graph forwards of a compiled encoder (part of the capture seconds), over
     the manager's lifetime and in this run. The ``eager_*`` counters split the
-    misses by reason (:data:`EAGER_REASONS`); with ``dispatch="measured"``,
-    measured eager counts the path runs its table sent to eager though a graph
-    fits, measured splits the ones it split.
+    misses by reason (:data:`EAGER_REASONS`).
     """
 
     hits: int = 0
@@ -50,8 +48,6 @@ class GraphStats:
     launch_seconds: float = 0.0
     compile_seconds: float = 0.0
     compile_seconds_run: float = 0.0
-    measured_eager: int = 0
-    measured_splits: int = 0
     eager_no_graph_yet: int = 0
     eager_policy: int = 0
     eager_above_budget: int = 0

@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--callback-kwargs",
         type=json.loads,
         default={},
-        help='CUDAGraphCallback arguments, a JSON object: {"dispatch": "measured"}',
+        help='CUDAGraphCallback arguments, a JSON object: {"capture": "upfront"}',
     )
     parser.add_argument(
         "--check",

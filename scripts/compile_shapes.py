@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from lightning_cg.measured import time_ms
+from lightning_cg.call_timer import time_ms
 from lightning_cg.models.packed_vit import PackedViT, packed_vit_small_config, patchify
 
 REPLAYS, TIMINGS = 50, 5

@@ -3,7 +3,7 @@
     python scripts/profile_host.py workloads=[packed_vit] scenarios=[photos]
     python scripts/profile_host.py workloads=[packed_vit_small] scenarios=[mixed_4] +kernels=true
     python scripts/profile_host.py workloads=[stream] +kernels=true +against=compile \
-        manager.compile=true +manager.budgets.ladder=auto manager.dispatch=measured
+        manager.compile=true +manager.budgets.ladder=auto
 
 Takes conf/bench.yaml and its overrides (the first workload: a tower's first
 scenario, or ``stream``; the first mode; the ``manager`` settings), warms the
@@ -50,7 +50,7 @@ from bench.workloads import (  # noqa: E402
     stream_workload,
     tower_workloads,
 )
-from lightning_cg.measured import time_ms  # noqa: E402
+from lightning_cg.call_timer import time_ms  # noqa: E402
 
 ROWS = 25
 AGAINST = {"exact": exact_method, "compile": compile_method, "eager": eager_method}
@@ -144,8 +144,7 @@ def main(config: DictConfig) -> None:
     workload, tower = load_workload(settings)
     batches = len(workload.batches)
     runner = graph_method(tower, workload, settings, mode=settings.modes[0])
-    # Warm-up passes capture and (dispatch=measured) time the decision table;
-    # the reset keeps both out of the figures.
+    # Warm-up passes capture; the reset keeps them out of the figures.
     profile_pass(runner.step, batches, settings.warmup, kernels=False)
     runner.manager.reset_stats()
     graphed = profile_pass(runner.step, batches, 0, kernels=False)

@@ -13,14 +13,12 @@ from test_callback import BUDGETS, RecordingModel, datamodule, trainer
 from test_piecewise import packed_call, packed_tower, tiny_vit
 from toy_encoder import ToyEncoder, ToyTower
 
-from lightning_cg import budget_memory, measured
+from lightning_cg import budget_memory
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.adapters.packed import PackedEncoderAdapter
-from lightning_cg.cache import GraphCache
 from lightning_cg.callback import CUDAGraphCallback
 from lightning_cg.encoder import CaptureSpec
 from lightning_cg.manager import BudgetConfig, EncoderGraphManager
-from lightning_cg.measured_dispatch import non_finite_inputs
 from lightning_cg.models.lit import build_tower
 from lightning_cg.models.packed_vit import PackedViT
 from lightning_cg.replay import relative_error
@@ -235,46 +233,6 @@ def test_the_packed_bound_is_at_most_the_static_patch_rows_of_a_budget():
     spec = CaptureSpec("local", 64, 4, 4, (torch.bfloat16, torch.device("cpu")))
     buffers = manager.encoder.capture_inputs(spec)
     assert manager.encoder.min_bytes_per_token("local") * 64 == buffers["pixel_patches"].nbytes
-
-
-def test_non_finite_inputs_name_the_input():
-    _, manager = packed_manager()
-    patches, grid_thw = packed_call(random.Random(5), 2)
-    inputs = manager.encoder.inputs_from_call((patches, grid_thw), {})
-    assert non_finite_inputs(manager.encoder, "local", inputs) == []
-    patches[3, 1] = float("nan")
-    assert non_finite_inputs(manager.encoder, "local", inputs) == ["pixel_patches"]
-    patches[3, 1] = float("inf")
-    assert non_finite_inputs(manager.encoder, "global", inputs) == ["pixel_patches"]
-
-
-def test_measured_dispatch_does_not_time_on_a_nan_batch_and_says_so(monkeypatch):
-    timed = []
-
-    def fake_time_ms(run, repeats=10, warmup=3):  # CUDA timing stood in for
-        timed.append(run())
-        return 1.0
-
-    monkeypatch.setattr(measured, "time_ms", fake_time_ms)
-    manager = EncoderGraphManager(
-        ToyEncoder(ToyTower().eval()),
-        dispatch="measured",
-        budgets=BudgetConfig(budgets=[16, 64]),
-        capture="first_use",
-    )
-    lengths = torch.tensor([5, 7])
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match="no CUDA"):
-        execute(manager, torch.randn(12, 8), lengths)  # captured; no table without a pool
-    monkeypatch.setattr(GraphCache, "has_pool", property(lambda cache: True))
-    nan_tokens = torch.randn(12, 8)
-    nan_tokens[2, 3] = float("nan")
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match="NaN or infinity.*input tokens"):
-        execute(manager, nan_tokens, lengths)
-    assert manager.measured.tables == {} and timed == []
-    with torch.no_grad():
-        execute(manager, torch.randn(12, 8), lengths)
-    assert len(manager.measured.tables) == 1 and timed  # a finite batch measures the path
-    assert all(torch.isfinite(output).all() for output in timed)
 
 
 @pytest.mark.cuda

@@ -2,7 +2,7 @@
 warnings, errors and outputs of a CPU Trainer (the budget path runs there without capture).
 
 The data: 12 synthetic images of 1 to 20 tokens in three batches of 4, 129 tokens in all.
-Options guarded elsewhere: ``stages`` and ``capture_during_sanity_check`` in
+Options guarded elsewhere: ``stages`` and the sanity check in
 test_callback_stages.py, ``encoder_data_parallel`` in test_callback_ddp.py, and ``module``
 and ``adapter`` by the errors of test_callback.py.
 """
@@ -135,12 +135,6 @@ def test_splitting_ops_absent_from_the_tower_fail_without_a_fallback():
     )
     with pytest.raises(PiecewiseUnsupported, match="max_pool2d"):
         predictions(callback)
-
-
-def test_measured_dispatch_says_it_needs_cuda(eager):
-    with pytest.warns(RuntimeWarning, match="dispatch='measured'.*no CUDA"):
-        stats = graphed_stats(eager, budgets=BUDGETS, dispatch="measured")
-    assert served(stats) == (SUB_BATCHES, 0, 0)  # as dispatch='budget'
 
 
 def test_compile_replays_a_compiled_graph_forward(eager, monkeypatch):

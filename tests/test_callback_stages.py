@@ -100,18 +100,13 @@ def test_a_test_run_matches_eager_and_reports_its_stats():
     assert callback.last_stats["items"] == 12 and callback.last_stats["hits"] > 0
 
 
-@pytest.mark.parametrize("capture_during_sanity_check", [False, True])
-def test_the_sanity_check_runs_through_graphs_only_when_asked(capture_during_sanity_check):
+def test_the_sanity_check_runs_eagerly_and_validation_through_graphs():
     net = ForwardSpy()
-    callback = CUDAGraphCallback(
-        budgets=BUDGETS,
-        capture_during_sanity_check=capture_during_sanity_check,
-        capture="first_use",
-    )
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     run = trainer(callback, num_sanity_val_steps=1, max_epochs=1, limit_val_batches=1)
     run.fit(net, datamodule())
     steps = [(where, own) for where, own in net.seen if where in ("sanity", "validate")]
-    assert steps == [("sanity", not capture_during_sanity_check), ("validate", False)]
+    assert steps == [("sanity", True), ("validate", False)]
 
 
 def test_the_original_forward_is_back_before_later_end_hooks_run():

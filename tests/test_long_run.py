@@ -128,9 +128,8 @@ def test_cuda_memory_holds_flat_over_a_long_validation(batches):
     config = packed_vit_small_config(global_view=True, global_grid=8)
     tower = PackedViT(config).cuda().to(dtype).eval()
     adapter = PackedEncoderAdapter(tower, max_token_budget=1024)
-    # compile=False: with "auto" a long run starts compiling (near batch 2000 of 10 000
-    # on the H200), which drops the ladder captured below and captures keys of the
-    # finer compiled ladder as batches first need them (134 graphs by the end).
+    # compile=False (the default), spelled out: compiled graphs would plan a finer
+    # ladder, with many more graphs to capture below.
     manager = EncoderGraphManager(adapter, mode="full", capture="first_use", compile=False)
     rng = random.Random(batches)
     # The whole ladder up front: keys captured on demand would add graphs (and

@@ -68,26 +68,6 @@ def test_every_item_of_the_source_in_order_is_the_source_itself():
     assert encoder.gathered == [[1, 0, 2], [0, 1]]
 
 
-def test_a_part_selects_from_the_sub_batch_and_keeps_call_positions():
-    encoder = GatherCountingEncoder(ToyTower())
-    inputs = toy_call([3, 5, 2, 4, 6])
-    sub_batch = sub_batch_of(encoder, inputs, [3, 1, 4])
-
-    part = sub_batch.part((2, 0))
-
-    assert part.indices == [4, 3]
-    assert part.specs == [sub_batch.specs[2], sub_batch.specs[0]]
-    assert part.tokens("local") == [6, 4]
-    assert part.inputs.lengths == [6, 4]
-    torch.testing.assert_close(
-        part.inputs.tokens, torch.cat([item_tokens(inputs, 4), item_tokens(inputs, 3)])
-    )
-    # Positions relative to the sub-batch, gathered once from the call's inputs.
-    assert encoder.gathered == [[4, 3]]
-    whole = sub_batch_of(encoder, inputs, [0, 1, 2, 3, 4]).part((0, 1, 2, 3, 4))
-    assert whole.inputs is inputs and len(encoder.gathered) == 1
-
-
 def manager_for(encoder: ToyEncoder, **options) -> EncoderGraphManager:
     return EncoderGraphManager(
         encoder, budgets=BudgetConfig(budgets=[16, 64]), max_items_per_batch=2, **options

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ ADAPTERS = ("packed", "batched", "hf")
 BATCH_FIRST_LIBRARIES = ("torchvision.models", "timm.")
 
 
-def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
+def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
     """The adapter that makes ``tower`` graphable.
 
     Args:
@@ -25,15 +26,28 @@ def adapter_for(tower: nn.Module, name: str | None = None) -> GraphableEncoder:
             (``tower(x)``, items are batch rows, one tensor out), ``hf``
             (``tower(pixel_values=x, **options)``, items are batch rows, a
             ``ModelOutput``, tuple or dict of tensors out: transformers towers;
-            needs ``pip install 'lightning-cg[hf]'``) or None to choose by type:
-            a tower that implements GraphableEncoder itself is used as it is.
+            needs ``pip install 'lightning-cg[hf]'``); a GraphableEncoder (used
+            as it is) or a callable that builds one from the tower (an adapter
+            class); or None to choose by type: a tower that implements
+            GraphableEncoder itself is used as it is.
 
     Raises:
         ValueError: for an unknown name, or a tower no adapter fits.
         TypeError: the named adapter cannot serve the tower (the message says
-            what it lacks).
+            what it lacks), or a callable built no GraphableEncoder.
         ImportError: ``hf`` without transformers installed.
     """
+    # An adapter class is a factory; the protocol check alone would take it for an adapter.
+    if isinstance(name, GraphableEncoder) and not isinstance(name, type):
+        return name
+    if callable(name):
+        adapter = name(tower)
+        if not isinstance(adapter, GraphableEncoder):
+            raise TypeError(
+                f"adapter={name!r} built a {type(adapter).__name__}, which does not "
+                "implement GraphableEncoder (see lightning_cg.encoder)"
+            )
+        return adapter
     if name is not None and name not in ADAPTERS:
         raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)} or None; got {name!r}")
     if name is None:
