@@ -27,4 +27,4 @@ print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 
 "$python" -m pytest -m "cuda and not slow" -p no:cacheprovider --durations=15 tests "$@"
 "$python" scripts/bench_trainer.py --workloads vit_b_16/batch_8 packed_vit_small/mixed_batch_8 \
-  --batches 20 --methods eager callback --check --overwrite --output "$out/smoke.json"
+  --batches 50 --methods eager callback --check --overwrite --output "$out/smoke.json"
