@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_cg.callback_checks import STAGES
 from lightning_cg.config import BudgetConfig, GraphConfig
@@ -131,4 +131,14 @@ class AppSchema:
     compare_eager: Any = None
 
 
-ConfigStore.instance().store(name=APP_SCHEMA, node=AppSchema)
+def _app_node() -> DictConfig:
+    """The schema as a config whose ``cudagraph.paths`` takes new path names, so
+    ``cudagraph.paths={global:{budgets:[64,256]}}`` sets it as written; each
+    entry is still checked, its path name against the tower's paths and its keys
+    against the budget choice's."""
+    node = OmegaConf.structured(AppSchema)
+    OmegaConf.set_struct(node.cudagraph.paths, False)
+    return node
+
+
+ConfigStore.instance().store(name=APP_SCHEMA, node=_app_node())

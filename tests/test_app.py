@@ -71,6 +71,21 @@ def test_every_mode_config_instantiates_a_callback(option):
     assert callback.mode.name.lower() == option
 
 
+@pytest.mark.parametrize(
+    ("override", "path", "expected"),
+    [
+        # the form conf/cudagraph/full.yaml documents, and the + form
+        ("cudagraph.paths={global:{budgets:[64,256]}}", "global", {"budgets": (64, 256)}),
+        ("cudagraph.paths={local:{max_budget:32}}", "local", {"max_budget": 32}),
+        ("+cudagraph.paths.local.max_budget=32", "local", {"max_budget": 32}),
+    ],
+)
+def test_paths_overrides_reach_the_callback(override, path, expected):
+    callback = instantiate(compose_config("predict", [override]).cudagraph)
+    choice = callback.config.paths[path]
+    assert {key: getattr(choice, key) for key in expected} == expected
+
+
 def printed(report: RunReport) -> str:
     console = Console(record=True, width=200)
     print_report(report, console=console)

@@ -102,6 +102,9 @@ HYDRA_ROWS = [
     ("predict", ["cudagraph.paths=abc"], "paths"),
     ("predict", ["+cudagraph.paths.glob.max_budget=64"], "paths"),
     ("predict", ["+cudagraph.paths.local.ratio=0.9"], "ratio"),
+    ("predict", ["cudagraph.paths={glob:{max_budget:64}}"], "glob"),
+    ("predict", ["cudagraph.paths={local:{budgts:[64]}}"], "budgts"),
+    ("predict", ["cudagraph.paths={local:{max_budget:abc}}"], "max_budget"),
     ("predict", ["+cudagraph.verfy=true"], "verfy"),
     # the app's own keys
     ("predict", ["+pases=3"], "pases"),
