@@ -44,8 +44,13 @@ def check_range(min_budget: int, max_budget: int) -> None:
 def _check_ladder(ladder: str, ratio: float, align: int) -> None:
     if ladder not in LADDERS:
         raise ValueError(f"ladder must be one of {', '.join(LADDERS)} (got ladder={ladder!r})")
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 1:
-        raise ValueError(f"ratio must be a number > 1 (got ratio={ratio!r})")
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, int | float)
+        or not math.isfinite(ratio)
+        or not ratio > 1
+    ):
+        raise ValueError(f"ratio must be a finite number > 1 (got ratio={ratio!r})")
     if not is_positive_int(align):
         raise ValueError(f"align must be a positive integer (got align={align!r})")
 
@@ -64,6 +69,8 @@ def _geometric_ladder(min_budget: int, max_budget: int, ratio: float, align: int
     budget = min_budget
     while budget < max_budget:
         budgets.append(budget)
+        if budget * ratio >= max_budget:
+            break  # the next rung is max_budget, which the caller appends
         # round() drops float noise such as 100 * 1.1 = 110.00000000000001, which
         # ceil would turn into 111; the +1 keeps the ladder strictly increasing.
         grown = max(math.ceil(round(budget * ratio, 6)), budget + 1)

@@ -8,6 +8,7 @@ where it is built; the parts that receive it trust it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -49,8 +50,12 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_number(name: str, value: Any, minimum: float) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= minimum:
-        raise ValueError(f"{name} must be a number >= {minimum}; got {name}={value!r}")
+    if not _is_finite_number(value) or not value >= minimum:
+        raise ValueError(f"{name} must be a finite number >= {minimum}; got {name}={value!r}")
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -109,16 +114,14 @@ class BudgetConfig:
         _check_choice("ladder", self.ladder, (*LADDERS, AUTO_LADDER))
         _check_number("ratio", self.ratio, 1.0)
         if self.ratio == 1.0:
-            raise ValueError(f"ratio must be a number > 1; got ratio={self.ratio!r}")
+            raise ValueError(f"ratio must be a finite number > 1; got ratio={self.ratio!r}")
         for name in ("align", "k", "auto_sample_batches"):
             _check_positive_int(name, getattr(self, name))
         if self.compiled_ratio is not None and not (
-            isinstance(self.compiled_ratio, int | float)
-            and not isinstance(self.compiled_ratio, bool)
-            and self.compiled_ratio > 1
+            _is_finite_number(self.compiled_ratio) and self.compiled_ratio > 1
         ):
             raise ValueError(
-                "compiled_ratio must be a number > 1 or None; "
+                "compiled_ratio must be a finite number > 1 or None; "
                 f"got compiled_ratio={self.compiled_ratio!r}"
             )
         if self.ladder == AUTO_LADDER and self.budgets is not None:

@@ -66,6 +66,7 @@ HYDRA_ROWS = [
     ("predict", ["cudagraph.budgets.ladder=best"], "ladder"),
     ("predict", ["cudagraph.budgets.ratio=0.5"], "ratio"),
     ("predict", ["cudagraph.budgets.ratio=abc"], "ratio"),
+    ("predict", ["cudagraph.budgets.ratio=inf"], "ratio"),
     ("predict", ["cudagraph/budgets=geometric", "cudagraph.budgets.align=0"], "align"),
     ("predict", ["cudagraph/budgets=auto", "cudagraph.budgets.k=0"], "k"),
     (
@@ -244,6 +245,13 @@ PYTHON_ROWS = [
     ),
     ("BudgetConfig min_budget=-1", lambda: BudgetConfig(min_budget=-1), "min_budget"),
     ("BudgetConfig ratio='1.5'", lambda: BudgetConfig(ratio="1.5"), "ratio"),
+    ("BudgetConfig ratio=inf", lambda: BudgetConfig(ratio=float("inf")), "ratio"),
+    ("BudgetConfig ratio=nan", lambda: BudgetConfig(ratio=float("nan")), "ratio"),
+    (
+        "BudgetConfig compiled_ratio=inf",
+        lambda: BudgetConfig(compiled_ratio=float("inf")),
+        "compiled_ratio",
+    ),
     ("manager max_budget=99999999", manager(budgets={"max_budget": 99999999}), "max_budget"),
     ("manager unknown path name", manager(paths={"glob": {}}), "paths"),
     (

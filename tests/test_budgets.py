@@ -40,6 +40,17 @@ def test_geometric_ladder_ignores_float_noise():
     assert generate_budgets(100, 120, "geometric", ratio=1.1, align=1) == [100, 110, 120]
 
 
+def test_a_ratio_past_the_range_gives_its_two_ends():
+    # 64 * 1e308 overflows to inf: the ladder must not round it.
+    assert generate_budgets(64, 1024, "geometric", ratio=1e308, align=16) == [64, 1024]
+
+
+@pytest.mark.parametrize("ratio", [float("inf"), float("nan")])
+def test_a_ratio_that_is_not_finite_is_refused(ratio):
+    with pytest.raises(ValueError, match=r"ratio must be a finite number > 1"):
+        generate_budgets(64, 1024, "geometric", ratio=ratio, align=16)
+
+
 @given(
     min_budget=st.integers(1, 2000),
     span=st.integers(0, 20000),

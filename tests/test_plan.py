@@ -35,10 +35,10 @@ def test_finer_explicit_auto_and_opted_out_ladders_are_kept(choice):
     assert compiled_choice(choice) is choice
 
 
-@pytest.mark.parametrize("bad", [1, 1.0, 0.5, "1.05", True])
+@pytest.mark.parametrize("bad", [1, 1.0, 0.5, "1.05", True, float("inf")])
 def test_compiled_ratio_must_be_a_number_above_one(bad):
     with pytest.raises(
         ValueError,
-        match=rf"compiled_ratio must be a number > 1 or None; got compiled_ratio={bad!r}",
+        match=rf"compiled_ratio must be a finite number > 1 or None; got compiled_ratio={bad!r}",
     ):
         BudgetConfig(compiled_ratio=bad)
