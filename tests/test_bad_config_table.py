@@ -118,6 +118,9 @@ HYDRA_ROWS = [
     ("predict", ["model=resnet50", "data=synthetic"], "data"),
     ("predict", ["model=vit_b_16", "data=photos", "data.fixed_size=null"], "data"),
     ("predict", ["data.merge_size=3"], "merge_size"),
+    ("predict", ["data=synthetic", "data.num_items=-5"], "num_items"),
+    ("predict", ["model=vit_b_16", "data=fake", "data.num_items=0"], "num_items"),
+    ("predict", ["data=synthetic", "data.batch_size=0"], "batch_size"),
     ("predict", ["data=synthetic", "data.patch_size=14"], "patch_size"),
     ("validate", ["model=vit_b_16", "data=fake", "data.image_size=64"], "image_size"),
     (

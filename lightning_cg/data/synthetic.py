@@ -28,6 +28,13 @@ from lightning_cg.data.collate import (
 _SEED_STRIDE = 1_000_003
 
 
+def check_counts(**counts: object) -> None:
+    """Refuse a count that is not a positive integer, naming it."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {name}={value!r}")
+
+
 def grid_sides(min_side: int, max_side: int, multiple: int) -> list[int]:
     """The sides in ``[min_side, max_side]`` that are multiples of ``multiple``."""
     if multiple < 1:
@@ -200,6 +207,7 @@ class SyntheticDataModule(SplitsDataModule):
         temporal_patch_size: int = 1,
     ) -> None:
         super().__init__()
+        check_counts(num_items=num_items, batch_size=batch_size)
         self.dataset = SyntheticItems(
             num_items,
             seed,
@@ -250,6 +258,7 @@ class FakeDataModule(SplitsDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        check_counts(num_items=num_items, batch_size=batch_size)
         self.dataset = FakeData(
             size=num_items,
             image_size=(3, image_size, image_size),
