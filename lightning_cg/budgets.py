@@ -31,6 +31,11 @@ def is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool) that is neither infinite nor NaN."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_range(min_budget: int, max_budget: int) -> None:
     if not is_positive_int(max_budget):
         raise ValueError(f"max_budget must be a positive integer (got max_budget={max_budget!r})")
@@ -44,12 +49,7 @@ def check_range(min_budget: int, max_budget: int) -> None:
 def _check_ladder(ladder: str, ratio: float, align: int) -> None:
     if ladder not in LADDERS:
         raise ValueError(f"ladder must be one of {', '.join(LADDERS)} (got ladder={ladder!r})")
-    if (
-        isinstance(ratio, bool)
-        or not isinstance(ratio, int | float)
-        or not math.isfinite(ratio)
-        or not ratio > 1
-    ):
+    if not is_finite_number(ratio) or not ratio > 1:
         raise ValueError(f"ratio must be a finite number > 1 (got ratio={ratio!r})")
     if not is_positive_int(align):
         raise ValueError(f"align must be a positive integer (got align={align!r})")

@@ -8,12 +8,11 @@ where it is built; the parts that receive it trust it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_cg.budgets import AUTO_LADDER, LADDERS
+from lightning_cg.budgets import AUTO_LADDER, LADDERS, is_finite_number
 from lightning_cg.compile_regions import COMPILE_SCOPES
 from lightning_cg.compiled import check_compile
 from lightning_cg.dispatcher import GraphMode
@@ -50,12 +49,8 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_number(name: str, value: Any, minimum: float) -> None:
-    if not _is_finite_number(value) or not value >= minimum:
+    if not is_finite_number(value) or not value >= minimum:
         raise ValueError(f"{name} must be a finite number >= {minimum}; got {name}={value!r}")
-
-
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -118,7 +113,7 @@ class BudgetConfig:
         for name in ("align", "k", "auto_sample_batches"):
             _check_positive_int(name, getattr(self, name))
         if self.compiled_ratio is not None and not (
-            _is_finite_number(self.compiled_ratio) and self.compiled_ratio > 1
+            is_finite_number(self.compiled_ratio) and self.compiled_ratio > 1
         ):
             raise ValueError(
                 "compiled_ratio must be a finite number > 1 or None; "
