@@ -11,7 +11,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,demo]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -26,11 +26,14 @@ test-all: $(STAMP)
 test-gpu:
 	bash scripts/test_gpu.sh
 
+# Each pass (5 on a GPU) serves the photos 4 times, one a batch: the first pass's
+# captures repay within it, the later passes show the steady state.
 demo: $(STAMP)
-	$(PY) scripts/predict.py
+	$(PY) scripts/predict.py data.batch_size=1 data.repeats=4
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_cg bench tests scripts
+	$(VENV)/bin/ruff check lightning_cg examples bench tests scripts
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -6,7 +6,7 @@ weights, builds its workloads from seeded random data (and the bundled photos),
 and times every method on every workload in this one process:
 
 - ``eager``: the tower as it is, cast to ``dtype``, under ``torch.inference_mode``.
-- ``lightning-cg/<mode>``: :class:`~lightning_cg.manager.EncoderGraphManager` on
+- ``lightning-cg/<mode>``: :class:`~lightning_cg.engine.manager.EncoderGraphManager` on
   ``adapter_for(tower)``, one row per configured mode.
 - ``exact``: one CUDA graph per batch, captured on exactly that batch's rows
   (the adapter's graph forward, no padding, no packing, no copies): the limit

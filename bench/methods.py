@@ -17,9 +17,9 @@ from torch import nn
 
 from bench.workloads import Workload
 from lightning_cg.adapters import adapter_for
-from lightning_cg.config import GraphConfig
-from lightning_cg.encoder import GraphableEncoder
-from lightning_cg.manager import EncoderGraphManager
+from lightning_cg.engine.config import GraphConfig
+from lightning_cg.engine.encoder import GraphableEncoder
+from lightning_cg.engine.manager import EncoderGraphManager
 
 if TYPE_CHECKING:  # bench.settings imports this module to check method names
     from bench.settings import BenchSettings

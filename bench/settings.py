@@ -10,7 +10,7 @@ import torch
 
 from bench.methods import GRAPH_METHOD, METHODS, graph_config
 from bench.workloads import BATCHED_TOWERS, PACKED_TOWERS, SCENARIOS, WORKLOADS
-from lightning_cg.dispatcher import GraphMode
+from lightning_cg.core.dispatcher import GraphMode
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

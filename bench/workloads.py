@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.hf_towers import CALL_KEYWORDS, CLIP_TOWER, HF_TOWERS, QWEN_TOWER
-from lightning_cg.adapters.qwen import qwen_tower_kind
-from lightning_cg.models.packed_vit import (
+from examples.models.packed_vit import (
     PackedViT,
     packed_vit_config,
     packed_vit_small_config,
     patchify,
 )
+from lightning_cg.adapters.qwen import qwen_tower_kind
 
 if TYPE_CHECKING:  # bench.settings imports this module to check workload names
     from bench.settings import BenchSettings
@@ -45,7 +45,7 @@ def build_tower(name: str, overrides: Mapping[str, Any], settings: BenchSettings
 
     Args:
         name: ``vit_b_16``, ``resnet50`` (torchvision), ``packed_vit_small`` or
-            ``packed_vit`` (:mod:`lightning_cg.models.packed_vit` presets),
+            ``packed_vit`` (:mod:`examples.models.packed_vit` presets),
             ``clip_vit_b16`` or ``qwen2_vl_vision`` (transformers, see
             :mod:`bench.hf_towers`).
         overrides: constructor fields replaced, e.g. ``num_layers`` of the ViT,
@@ -235,7 +235,7 @@ def _photo_batches(tower: nn.Module, settings: BenchSettings) -> list[Batch]:
 def _load_photos(multiple: int, max_side: int | None) -> list[torch.Tensor]:
     """The bundled real photos, sides rounded down to ``multiple``, longest side capped."""
     try:
-        from lightning_cg.data.photos import load_photos
+        from examples.data.photos import load_photos
     except ImportError:
         return _skimage_photos(multiple, max_side)
     return load_photos(multiple, max_side)

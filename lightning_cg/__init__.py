@@ -1,20 +1,22 @@
 """lightning-cg: budget-batched CUDA graph replay of vision towers from PyTorch Lightning.
 
-``lightning_cg.budgets``, ``packing`` and ``dispatcher`` are pure Python; the
-callback and manager are imported on first use so that importing those stays
-free of torch.
+``lightning_cg.core.budgets``, ``packing`` and ``dispatcher`` are pure Python; the
+callback, the manager and :func:`graphed` (the manager in a plain PyTorch loop,
+:mod:`lightning_cg.serve.graphed`) are imported on first use so that importing
+those stays free of torch.
 """
 
 from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["CUDAGraphCallback", "EncoderGraphManager", "BudgetConfig", "GraphMode"]
+__version__ = "0.2.0"
+__all__ = ["CUDAGraphCallback", "EncoderGraphManager", "BudgetConfig", "GraphMode", "graphed"]
 
 _LAZY = {
-    "CUDAGraphCallback": "lightning_cg.callback",
-    "EncoderGraphManager": "lightning_cg.manager",
-    "BudgetConfig": "lightning_cg.config",
-    "GraphMode": "lightning_cg.dispatcher",
+    "CUDAGraphCallback": "lightning_cg.callback.graph_callback",
+    "EncoderGraphManager": "lightning_cg.engine.manager",
+    "BudgetConfig": "lightning_cg.engine.config",
+    "GraphMode": "lightning_cg.core.dispatcher",
+    "graphed": "lightning_cg.serve.graphed",
 }
 
 

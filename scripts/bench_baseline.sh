@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Put the engine of a reference commit (default: the last one before the capture
-# rule was simplified) under .baseline/ with today's benchmark, so one GPU call
-# can run `python3 .baseline/scripts/bench_trainer.py` (reference) and
-# `python3 scripts/bench_trainer.py` (current) on the same workloads.
+# Put the library of a reference commit (default: the last one with the
+# cost-estimating capture policy) under .baseline/ with the benchmark of a second
+# commit that runs against it (default: HEAD; a commit of the same layout as the
+# reference when the layout changed since), so one GPU call can run
+# `(cd .baseline && python3 scripts/bench_trainer.py ...)` (reference) and
+# `python3 scripts/bench_trainer.py ...` (current) on the same workloads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:-80037b7}
+bench_ref=${2:-HEAD}
 rm -rf .baseline && mkdir -p .baseline
 git archive "$ref" lightning_cg | tar -x -C .baseline
-git archive HEAD bench scripts/bench_trainer.py | tar -x -C .baseline
+git archive "$bench_ref" bench scripts/bench_trainer.py | tar -x -C .baseline
 grep -qx '/.baseline/' .git/info/exclude || echo '/.baseline/' >> .git/info/exclude
-echo "reference engine $ref in .baseline/ (carry it to the GPU machine)"
+echo "reference library $ref, benchmark $bench_ref in .baseline/ (carry it to the GPU machine)"

@@ -1,6 +1,6 @@
 """Static against dynamic shapes for ``compile: true``: one CUDA graph replay of
 packed_vit_small's compiled ``forward_packed`` on one batch, compiled with
-``dynamic=True`` (what :class:`~lightning_cg.compiled.CompiledEncoder` does for
+``dynamic=True`` (what :class:`~lightning_cg.engine.compiled.CompiledEncoder` does for
 a packed tower, once for every budget) and with ``dynamic=False`` (one compile
 per shape, as reduce-overhead specialises).
 
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from lightning_cg.call_timer import time_ms
-from lightning_cg.models.packed_vit import PackedViT, packed_vit_small_config, patchify
+from examples.models.packed_vit import PackedViT, packed_vit_small_config, patchify
+from lightning_cg.engine.call_timer import time_ms
 
 REPLAYS, TIMINGS = 50, 5
 #: Three images of the stream workload's sizes.

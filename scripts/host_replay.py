@@ -26,10 +26,10 @@ from torch import nn
 # The repository's package, not an installed copy.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.models.packed_vit import PackedViT, packed_vit_small_config
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.adapters.packed import PackedEncoderAdapter
-from lightning_cg.manager import EncoderGraphManager
-from lightning_cg.models.packed_vit import PackedViT, packed_vit_small_config
+from lightning_cg.engine.manager import EncoderGraphManager
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 STUB_PACKED_FORWARD = DEVICE.type == "cpu"
@@ -160,9 +160,9 @@ def main() -> None:
     if args.thread_clock:
         import types
 
-        import lightning_cg.call_runner
+        import lightning_cg.engine.call_runner
 
-        lightning_cg.call_runner.time = types.SimpleNamespace(perf_counter=time.thread_time)
+        lightning_cg.engine.call_runner.time = types.SimpleNamespace(perf_counter=time.thread_time)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     if args.profile:

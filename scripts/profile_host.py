@@ -50,7 +50,7 @@ from bench.workloads import (  # noqa: E402
     stream_workload,
     tower_workloads,
 )
-from lightning_cg.call_timer import time_ms  # noqa: E402
+from lightning_cg.engine.call_timer import time_ms  # noqa: E402
 
 ROWS = 25
 AGAINST = {"exact": exact_method, "compile": compile_method, "eager": eager_method}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_cg import capture_policy
+from lightning_cg.core import capture_policy
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 
 class ToyTower(nn.Module):

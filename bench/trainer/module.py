@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.hf_towers import is_hf_tower, merged_tokens
-from lightning_cg.models.lit import embed_dim_of, pool_items
-from lightning_cg.models.packed_vit import tokens_per_item
+from examples.models.lit import embed_dim_of, pool_items
+from examples.models.packed_vit import tokens_per_item
 
 Batch = dict[str, torch.Tensor]
 

@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.models.resnet import Bottleneck, ResNet
 
 from bench.hf_towers import CLIP_TOWER, HF_TOWERS, QWEN_TOWER, patch_dim
-from lightning_cg.data.synthetic import random_image_sizes
-from lightning_cg.models.lit import build_tower
+from examples.data.synthetic import random_image_sizes
+from examples.models.lit import build_tower
 
 BATCHED_TOWERS = ("vit_b_16", "resnet50", CLIP_TOWER)
 PACKED_TOWERS = ("packed_vit_small", "packed_vit", QWEN_TOWER)
@@ -77,7 +77,7 @@ class Workload:
 
     Attributes:
         name: as in the rows, e.g. ``vit_b_16/batch_8`` or ``fit/packed_vit/mixed_batch_8``.
-        tower: a name of :func:`lightning_cg.models.lit.build_tower` or of
+        tower: a name of :func:`examples.models.lit.build_tower` or of
             :data:`bench.hf_towers.HF_TOWERS`.
         batch_size: images per batch.
         mixed: images of mixed sizes, packed (packed towers) instead of same-size.
@@ -132,7 +132,7 @@ class Sizes:
         image_side: side of the same-size images of batch-first towers.
         mixed_sides: smallest and largest side of the mixed-size images, in pixels.
         multiscale_sides: the sides that the batches of a multiscale workload cycle through.
-        towers: per tower, :func:`~lightning_cg.models.lit.build_tower` overrides.
+        towers: per tower, :func:`~examples.models.lit.build_tower` overrides.
     """
 
     image_side: int = 224

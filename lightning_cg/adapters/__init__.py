@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cg.encoder import GraphableEncoder
+from lightning_cg.engine.encoder import GraphableEncoder
 
 ADAPTERS = ("packed", "batched", "hf")
 #: Module prefixes of libraries whose towers are called as tower(x [B, ...]).
@@ -45,7 +45,7 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
         if not isinstance(adapter, GraphableEncoder):
             raise TypeError(
                 f"adapter={name!r} built a {type(adapter).__name__}, which does not "
-                "implement GraphableEncoder (see lightning_cg.encoder)"
+                "implement GraphableEncoder (see lightning_cg.engine.encoder)"
             )
         return adapter
     if name is not None and name not in ADAPTERS:
@@ -71,27 +71,46 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
     return BatchedEncoderAdapter(tower)
 
 
-def _adapter_name_by_type(tower: nn.Module) -> str:
+def adapter_name_by_type(tower: nn.Module) -> str | None:
+    """The adapter name ``adapter_for(tower)`` chooses by the tower's type:
+    ``packed``, ``batched`` or ``hf``; None when no adapter fits by type."""
     from lightning_cg.adapters.hf_optional import is_transformers_tower
     from lightning_cg.adapters.qwen import qwen_tower_kind
-    from lightning_cg.models.packed_vit import PackedViT
 
-    if isinstance(tower, PackedViT) or qwen_tower_kind(tower) is not None:
+    if takes_packed_patches(tower) or qwen_tower_kind(tower) is not None:
         return "packed"
     if type(tower).__module__.startswith(BATCH_FIRST_LIBRARIES):
         return "batched"
     if is_transformers_tower(tower):
         return "hf"
+    return None
+
+
+def _adapter_name_by_type(tower: nn.Module) -> str:
+    name = adapter_name_by_type(tower)
+    if name is not None:
+        return name
     raise ValueError(
         f"no adapter fits a tower of type {type(tower).__qualname__} (forward"
-        f"{inspect.signature(tower.forward)}): it is not a PackedViT, a torchvision or timm "
-        "model, nor a transformers model whose forward takes pixel_values. Pass "
+        f"{inspect.signature(tower.forward)}): its forward does not take (pixel_patches, "
+        "grid_thw), and it is not a torchvision or timm model, nor a transformers model "
+        "whose forward takes pixel_values. Pass "
         "adapter='batched' for a tower called as tower(x) with items as batch rows that "
         "returns one tensor, adapter='hf' for tower(pixel_values=x, **options) returning a "
         "ModelOutput, tuple or dict of batch-first tensors, adapter='packed' for "
-        "tower(pixel_patches, grid_thw), or implement lightning_cg.encoder.GraphableEncoder "
+        "tower(pixel_patches, grid_thw), or implement lightning_cg.engine.encoder.GraphableEncoder "
         "on the tower (graph_config, item_specs, capture_inputs, graph_forward, ...; see README)"
     )
+
+
+def takes_packed_patches(tower: nn.Module) -> bool:
+    """Whether ``tower.forward``'s first two parameters are ``pixel_patches, grid_thw``:
+    the packed calling convention (``tower(pixel_patches, grid_thw)``)."""
+    try:
+        parameters = list(inspect.signature(tower.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return parameters[:2] == ["pixel_patches", "grid_thw"]
 
 
 def as_slice(indices: Sequence[int]) -> slice | None:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_cg.adapters import join_rows, select_rows
-from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
-from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+from lightning_cg.engine.budget_memory import MIN_ELEMENT_BYTES
+from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 #: The only encoder path of a batch-first tower.
 IMAGE_PATH = "image"
@@ -52,16 +52,17 @@ class BatchedEncoderAdapter:
         self.tower = tower
         self.max_batch_size = max_batch_size
         self._forward = type(tower).forward.__get__(tower)
-        self._input_name = next(iter(inspect.signature(self._forward).parameters), None)
+        first = next(iter(inspect.signature(self._forward).parameters.values()), None)
+        self._input_name = None if first is None else first.name
+        #: ``forward(self, *, x)`` takes its batch by name only.
+        self._by_keyword = first is not None and first.kind is inspect.Parameter.KEYWORD_ONLY
 
     def graph_config(self) -> EncoderGraphConfig:
         """One path, ``image``, where every item costs one token.
 
         ``out_hidden_size`` stays 0: the output shape is only known once the
         tower has run. Compiled with static shapes: a run's batches come in one
-        or two sizes, and static kernels are faster (on an H200, vit_b_16 batch
-        8 through the Trainer: 1.06x faster than reduce-overhead compiled
-        static, 0.96x compiled dynamic; BENCHMARKS.md, "Ninth session").
+        or two sizes, and static kernels are faster.
         """
         return EncoderGraphConfig(
             modalities=("image",),
@@ -78,7 +79,7 @@ class BatchedEncoderAdapter:
         """Bytes one token (an image) of a graph's budget needs at least: its row of
         the static input buffer, when the tower fixes its image side (torchvision's
         ViT, a transformers config's ``image_size``); None when the side comes with
-        the first batch (see :mod:`lightning_cg.budget_memory`)."""
+        the first batch (see :mod:`lightning_cg.engine.budget_memory`)."""
         self._check_path(path)
         config = getattr(self.tower, "config", self.tower)
         side = getattr(config, "image_size", None)
@@ -162,7 +163,7 @@ class BatchedEncoderAdapter:
         return path_rows[IMAGE_PATH]
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._forward(x)
+        out = self._forward(**{self._input_name: x}) if self._by_keyword else self._forward(x)
         if not isinstance(out, torch.Tensor):
             raise TypeError(self._convention_message(f"the tower returned {type(out).__name__}"))
         return out
@@ -173,7 +174,7 @@ class BatchedEncoderAdapter:
             f"tensor x [B, ...] that return one tensor [B, ...]; {got}. For "
             f"{type(self.tower).__name__}, use adapter='hf' if it takes keyword options or "
             "returns a ModelOutput, a tuple or a dict of batch-first tensors (transformers "
-            "towers), or implement lightning_cg.encoder.GraphableEncoder for other calling "
+            "towers), or implement lightning_cg.engine.encoder.GraphableEncoder for other calling "
             "conventions."
         )
 

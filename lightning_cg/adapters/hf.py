@@ -53,7 +53,7 @@ from lightning_cg.adapters.hf_calls import (
 from lightning_cg.adapters.hf_optional import is_transformers_tower as is_transformers_tower
 from lightning_cg.adapters.hf_optional import require_transformers
 from lightning_cg.adapters.structured import RowLayout, output_rows
-from lightning_cg.encoder import CaptureSpec, ItemSpec
+from lightning_cg.engine.encoder import CaptureSpec, ItemSpec
 
 #: Separates an argument's name from its call's index in a static buffer's name.
 _CALL_MARK = "@"
@@ -79,7 +79,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
 
     Example:
         >>> from transformers import CLIPVisionConfig, CLIPVisionModel
-        >>> from lightning_cg.manager import EncoderGraphManager
+        >>> from lightning_cg.engine.manager import EncoderGraphManager
         >>> tower = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64,
         ...     num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8))
         >>> manager = EncoderGraphManager(HFEncoderAdapter(tower.eval()))
@@ -109,7 +109,8 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             raise TypeError(
                 f"HFEncoderAdapter serves towers called as tower(pixel_values, **options); "
                 f"the forward of {type(tower).__name__} takes {self._call}, with no parameter "
-                "for the pixel batch. Implement lightning_cg.encoder.GraphableEncoder for it."
+                "for the pixel batch. Implement lightning_cg.engine.encoder.GraphableEncoder "
+                "for it."
             )
         self.per_item_inputs = tuple(per_item_inputs)
         self.shared_inputs = tuple(shared_inputs)
@@ -323,8 +324,8 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         return (
             f"HFEncoderAdapter serves towers called as tower({self._input_name}=x [B, ...], "
             f"**options) that return tensors of B rows; {got}. Implement "
-            f"lightning_cg.encoder.GraphableEncoder for {type(self.tower).__name__} to graph "
-            "other calling conventions."
+            "lightning_cg.engine.encoder.GraphableEncoder for "
+            f"{type(self.tower).__name__} to graph other calling conventions."
         )
 
 

@@ -4,7 +4,7 @@ The Qwen vision towers pass ``cu_seqlens`` to their attention function only when
 the configured implementation's name contains "flash"; any other implementation
 splits the sequences on the host (``lengths.tolist()``), a sync no CUDA graph
 can hold. :data:`ATTENTION_NAME` is such a name, backed by
-:func:`lightning_cg.attention.sequence_attention` (varlen flash attention on
+:func:`lightning_cg.engine.attention.sequence_attention` (varlen flash attention on
 CUDA in half precision, a block-diagonal SDPA mask elsewhere), so it runs on
 any device and without the flash-attn package. :func:`packed_attention` sets it
 on a tower's configs for the duration of a graph forward only: outside, the
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_cg.attention import sequence_attention, varlen_supported
+from lightning_cg.engine.attention import sequence_attention, varlen_supported
 
 #: The implementation's name; "flash" in it selects the towers' cu_seqlens path.
 ATTENTION_NAME = "lightning_cg_flash_varlen"

@@ -1,7 +1,7 @@
 """GraphableEncoder for packed towers: ``tower(pixel_patches [T, C*p*p], grid_thw [N, 3])``.
 
 Items of any resolution are packed patch after patch (the Qwen2-VL convention of
-:class:`~lightning_cg.models.packed_vit.PackedViT`). Two paths:
+:class:`~examples.models.packed_vit.PackedViT`). Two paths:
 
 - ``local``: every item at its native resolution, one attention sequence per frame;
   an item costs ``t * h * w / merge**2`` tokens.
@@ -32,9 +32,9 @@ from lightning_cg.adapters.packed_inputs import (
     select_packed_items,
     tower_device,
 )
-from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
-from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
-from lightning_cg.static_inputs import PieceRows
+from lightning_cg.engine.budget_memory import MIN_ELEMENT_BYTES
+from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+from lightning_cg.engine.static_inputs import PieceRows
 
 LOCAL_PATH = "local"
 GLOBAL_PATH = "global"
@@ -115,7 +115,7 @@ class PackedEncoderAdapter:
         ValueError: a budget or frame count is out of range.
 
     Example:
-        >>> from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
+        >>> from examples.models.packed_vit import PackedViT, PackedViTConfig, patchify
         >>> tower = PackedViT(PackedViTConfig(hidden_size=64, depth=2, num_heads=4,
         ...                                   patch_size=4, out_hidden_size=32))
         >>> adapter = PackedEncoderAdapter(tower)
@@ -164,7 +164,7 @@ class PackedEncoderAdapter:
         return EncoderGraphConfig(
             modalities=("image", "video"),
             # Empty cu_seqlens slots cost time (flash attention still launches
-            # blocks for them: on an H200, one image in a 4-slot graph 1.35x).
+            # blocks for them).
             paths={
                 LOCAL_PATH: PathConfig(self.min_token_budget, per_item_metadata=True),
                 GLOBAL_PATH: global_path,
@@ -184,7 +184,7 @@ class PackedEncoderAdapter:
 
     def min_bytes_per_token(self, path: str) -> int:
         """Bytes one token of a graph's budget needs at least: its ``merge**2`` rows of
-        the static ``pixel_patches`` buffer (see :mod:`lightning_cg.budget_memory`)."""
+        the static ``pixel_patches`` buffer (see :mod:`lightning_cg.engine.budget_memory`)."""
         self._check_path(path)
         return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
 
@@ -264,7 +264,7 @@ class PackedEncoderAdapter:
 
     def replay_inputs(self, path: str, inputs: PackedInputs) -> Mapping[str, torch.Tensor]:
         """The path's patches (the items' own, or their global views) and, on the
-        host, their metadata: in pieces (:class:`~lightning_cg.static_inputs.PieceRows`)
+        host, their metadata: in pieces (:class:`~lightning_cg.engine.static_inputs.PieceRows`)
         where the tower gives them so."""
         self._check_path(path)
         patches, grid = inputs.pixel_patches, inputs.grid
@@ -343,5 +343,5 @@ def _check_packed_tower(tower: object) -> None:
             f"adapter='packed' needs a tower with the PackedTower interface of "
             f"lightning_cg.adapters.packed (PackedViT has it); {type(tower).__qualname__} "
             f"lacks {', '.join(missing)}. Give the tower those methods and config fields, "
-            "or implement lightning_cg.encoder.GraphableEncoder for it."
+            "or implement lightning_cg.engine.encoder.GraphableEncoder for it."
         )

@@ -3,7 +3,7 @@
 Items of any resolution are packed patch after patch (the Qwen2-VL convention):
 ``grid_thw`` holds each item's frames, patch rows and patch columns, and item
 ``i`` owns ``t * h * w`` consecutive rows of the patches. Shared by the adapters
-of :class:`~lightning_cg.models.packed_vit.PackedViT` and of the Qwen vision towers.
+of :class:`~examples.models.packed_vit.PackedViT` and of the Qwen vision towers.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ def read_packed_call(
         raise ValueError(f"grid_thw must be an integer tensor, got {describe(grid_thw)}")
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
         raise ValueError(f"grid_thw must have shape [N, 3], got {list(grid_thw.shape)}")
+    if grid_thw.is_meta:
+        raise ValueError(
+            "grid_thw is on the meta device, which holds no values: packing reads each "
+            "item's (t, h, w); pass grid_thw on the CPU or on the tower's device"
+        )
     if not isinstance(patches, torch.Tensor) or not patches.is_floating_point():
         raise ValueError(f"{patches_name} must be a floating-point tensor, got {describe(patches)}")
     if device is not None and patches.device != device:

@@ -52,8 +52,8 @@ from lightning_cg.adapters.qwen_metadata import (
     window_side,
 )
 from lightning_cg.adapters.row_outputs import RowLayout
-from lightning_cg.budget_memory import MIN_ELEMENT_BYTES
-from lightning_cg.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+from lightning_cg.engine.budget_memory import MIN_ELEMENT_BYTES
+from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
 #: Vision towers this adapter serves, by class name, and what each computes.
 QWEN_TOWERS = {
@@ -195,7 +195,7 @@ class QwenVisionAdapter:
 
     def min_bytes_per_token(self, path: str) -> int:
         """Bytes one token of a graph's budget needs at least: its ``merge**2`` rows of
-        the static ``hidden_states`` buffer (see :mod:`lightning_cg.budget_memory`)."""
+        the static ``hidden_states`` buffer (see :mod:`lightning_cg.engine.budget_memory`)."""
         self._check_path(path)
         return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
 

@@ -5,8 +5,8 @@ from torchvision.models import resnet18
 from torchvision.models.vision_transformer import VisionTransformer
 
 from lightning_cg.adapters.batched import IMAGE_PATH, BatchedEncoderAdapter
-from lightning_cg.encoder import CaptureSpec, GraphableEncoder
-from lightning_cg.manager import EncoderGraphManager
+from lightning_cg.engine.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.engine.manager import EncoderGraphManager
 
 
 def tiny_vit(image_size: int = 16) -> nn.Module:
@@ -104,6 +104,24 @@ def test_keyword_call_uses_forward_parameter_name():
     adapter = BatchedEncoderAdapter(tiny_resnet())
     x = torch.zeros(2, 3, 16, 16)
     assert adapter.inputs_from_call((), {"x": x}) is x
+
+
+class KeywordOnlyTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_a_keyword_only_tower_is_served_by_name():
+    tower = KeywordOnlyTower()
+    adapter, manager = manager_for(tower)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        out = manager.execute(adapter.inputs_from_call((), {"x": x}))
+        torch.testing.assert_close(out, tower(x=x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,9 @@ from test_compile_regions import GraphCounter  # noqa: E402
 from lightning_cg.adapters import adapter_for  # noqa: E402
 from lightning_cg.adapters.batched import IMAGE_PATH  # noqa: E402
 from lightning_cg.adapters.hf import HFEncoderAdapter  # noqa: E402
-from lightning_cg.callback import CUDAGraphCallback  # noqa: E402
-from lightning_cg.compiled import CompiledEncoder  # noqa: E402
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager  # noqa: E402
+from lightning_cg.callback.graph_callback import CUDAGraphCallback  # noqa: E402
+from lightning_cg.engine.compiled import CompiledEncoder  # noqa: E402
+from lightning_cg.engine.manager import BudgetConfig, EncoderGraphManager  # noqa: E402
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
 KINDS = ["clip", "siglip", "dinov2", "vit"]
@@ -367,7 +367,7 @@ def test_through_the_callback_with_no_user_code(kind, options):
 
 
 def clip_vit_b16_bf16() -> nn.Module:
-    from lightning_cg.models.hf import clip_vision_tower
+    from examples.models.hf import clip_vision_tower
 
     torch.manual_seed(0)
     return clip_vision_tower().to("cuda", torch.bfloat16).eval()

@@ -35,10 +35,10 @@ metadata.distribution = without_transformers(metadata.distribution)
 import torch
 from torchvision.models import resnet18
 
-import lightning_cg.models.hf
+import examples.models.hf
 from lightning_cg import CUDAGraphCallback
 from lightning_cg.adapters import adapter_for
-from lightning_cg.manager import EncoderGraphManager
+from lightning_cg.engine.manager import EncoderGraphManager
 
 tower = resnet18(num_classes=4).eval()
 manager = EncoderGraphManager(adapter_for(tower))
@@ -48,7 +48,7 @@ with torch.no_grad():
 CUDAGraphCallback(module="backbone")
 for needs_transformers in (
     lambda: adapter_for(torch.nn.Linear(2, 2), "hf"),
-    lightning_cg.models.hf.clip_vision_tower,
+    examples.models.hf.clip_vision_tower,
 ):
     try:
         needs_transformers()

@@ -3,10 +3,10 @@ import random
 import pytest
 import torch
 
+from examples.models.packed_vit import PackedViT, PackedViTConfig, patchify
 from lightning_cg.adapters import packed
 from lightning_cg.adapters.packed import GLOBAL_PATH, LOCAL_PATH, PackedEncoderAdapter
-from lightning_cg.encoder import CaptureSpec, GraphableEncoder, ItemSpec
-from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
+from lightning_cg.engine.encoder import CaptureSpec, GraphableEncoder, ItemSpec
 
 PATCH = 4
 SIDES = (8, 16, 24, 32)  # multiples of patch * merge

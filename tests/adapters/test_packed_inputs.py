@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cg.adapters.packed_inputs import tower_device
+from lightning_cg.adapters.packed_inputs import read_packed_call, tower_device
 
 
 class Root(nn.Module):
@@ -55,3 +55,11 @@ def test_tower_device_of_a_tower_that_is_no_module():
             return iter([torch.ones(1, device="meta")])
 
     assert tower_device(Tower()) == torch.device("meta")
+
+
+def test_a_grid_on_the_meta_device_is_refused_by_name():
+    patches = torch.zeros(16, 48)
+    grid_thw = torch.tensor([[1, 4, 4]], device="meta")
+    with pytest.raises(ValueError, match="grid_thw is on the meta device, which holds no values"):
+        read_packed_call(patches, grid_thw, patch_dim=48, merge=1, device=None)
+    assert read_packed_call(patches, torch.tensor([[1, 4, 4]]), 48, 1, None) == [(1, 4, 4)]

@@ -11,13 +11,13 @@ from lightning.pytorch import LightningModule, Trainer
 from test_compile_regions import GraphCounter
 from torch.utils.data import DataLoader
 
+from examples.models.packed_vit import patchify
 from lightning_cg.adapters import adapter_for
 from lightning_cg.adapters.qwen import MIN_OFFSET_SLOTS, QwenVisionAdapter
-from lightning_cg.callback import CUDAGraphCallback
-from lightning_cg.compiled import CompiledEncoder
-from lightning_cg.encoder import CaptureSpec, GraphableEncoder
-from lightning_cg.manager import BudgetConfig, EncoderGraphManager
-from lightning_cg.models.packed_vit import patchify
+from lightning_cg.callback.graph_callback import CUDAGraphCallback
+from lightning_cg.engine.compiled import CompiledEncoder
+from lightning_cg.engine.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.engine.manager import BudgetConfig, EncoderGraphManager
 
 transformers = pytest.importorskip("transformers")
 qwen2_vl = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")

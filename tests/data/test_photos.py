@@ -3,7 +3,7 @@ import socket
 import pytest
 import torch
 
-from lightning_cg.data.photos import (
+from examples.data.photos import (
     PhotosDataModule,
     fit_to_grid,
     load_photo,

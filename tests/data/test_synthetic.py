@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_cg.data.synthetic import (
+from examples.data.synthetic import (
     FakeDataModule,
     SyntheticDataModule,
     grid_sides,

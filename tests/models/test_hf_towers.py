@@ -7,8 +7,8 @@ pytest.importorskip("transformers")
 
 from test_app import compose_config  # noqa: E402
 
-from lightning_cg.app import run  # noqa: E402
-from lightning_cg.models.hf import CLIP_VIT_B_16, HFVisionClassifier, clip_vision_tower  # noqa: E402
+from examples.models.hf import CLIP_VIT_B_16, HFVisionClassifier, clip_vision_tower  # noqa: E402
+from lightning_cg.app.runner import run  # noqa: E402
 
 TINY_CLIP = [
     "model=clip_vit_b16",
@@ -23,7 +23,7 @@ TINY_CLIP = [
 def test_clip_config_is_vit_b16():
     cfg = compose_config("predict", ["model=clip_vit_b16"])
     tower = cfg.model.module.vision_tower
-    assert tower._target_ == "lightning_cg.models.hf.clip_vision_tower"
+    assert tower._target_ == "examples.models.hf.clip_vision_tower"
     assert tower.image_size == 224 and cfg.model.input.patch_size == CLIP_VIT_B_16["patch_size"]
     assert CLIP_VIT_B_16 | {"image_size": 224} == {
         "hidden_size": 768,

@@ -2,8 +2,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_cg.data.synthetic import FakeDataModule, SyntheticDataModule
-from lightning_cg.models.lit import (
+from examples.data.synthetic import FakeDataModule, SyntheticDataModule
+from examples.models.lit import (
     VisionClassifier,
     build_tower,
     embed_dim_of,

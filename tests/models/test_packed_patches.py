@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_cg.models.packed_patches import patchify
+from examples.models.packed_patches import patchify
 
 
 def test_patchify_puts_each_merge_window_on_consecutive_rows():

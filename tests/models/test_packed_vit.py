@@ -3,7 +3,7 @@ import pytest
 import torch
 from torchvision.models.vision_transformer import VisionTransformer
 
-from lightning_cg.models.packed_vit import (
+from examples.models.packed_vit import (
     PackedViT,
     PackedViTConfig,
     block_diagonal_mask,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_cg.models.packed_vit import PackedViT, PackedViTConfig, patchify
-from lightning_cg.models.patch_positions import frame_positions, packed_positions
+from examples.models.packed_vit import PackedViT, PackedViTConfig, patchify
+from examples.models.patch_positions import frame_positions, packed_positions
 
 
 def patchified_positions(h: int, w: int, merge: int) -> np.ndarray:

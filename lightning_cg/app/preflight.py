@@ -1,0 +1,176 @@
+"""What the Hydra apps check before any work: every value, and model against data.
+
+:func:`check_config` runs on the composed config before anything is built: the
+top-level keys, the app's flags, the callback's options (by constructing it)
+and whether the data module can feed the model's tower at all (batch kind,
+patch, merge and frame sizes, each named on both sides). :func:`check_tower`
+runs once the model is built, before the Trainer: the tower's own sizes
+against the data, and the graph plan (unknown path names, budgets the device
+cannot hold) by constructing the manager the callback would build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lightning_cg.adapters import adapter_for
+from lightning_cg.app.schema import AppSchema
+from lightning_cg.callback.checks import resolve_module
+from lightning_cg.callback.graph_callback import CUDAGraphCallback
+from lightning_cg.engine.manager import EncoderGraphManager
+
+PACKED = "packed"
+BATCH_FIRST = "batch-first"
+#: The conf/data options, by the ``_target_`` of their data module. PhotosDataModule
+#: serves batch-first images when ``fixed_size`` is set, packed batches otherwise.
+DATA_OPTIONS = {
+    "examples.data.synthetic.FakeDataModule": "fake",
+    "examples.data.photos.PhotosDataModule": "photos",
+    "examples.data.synthetic.SyntheticDataModule": "synthetic",
+}
+#: The batch kinds each conf/data option can serve.
+DATA_KINDS = {"fake": (BATCH_FIRST,), "photos": (PACKED, BATCH_FIRST), "synthetic": (PACKED,)}
+#: Sizes packed data must share with the tower: data key -> (model.input key, default).
+PACKED_SIZES = {
+    "patch_size": ("patch_size", None),
+    "merge_size": ("merge_size", None),
+    "temporal_patch_size": ("temporal_patch_size", 1),
+}
+#: Sizes batch-first data must share with the tower (fake's and photos' image side).
+BATCH_FIRST_SIZES = {"image_size": ("image_size", None), "fixed_size": ("image_size", None)}
+#: The tower's config attributes behind the packed sizes (PackedViTConfig, the Qwen configs).
+TOWER_SIZES = {
+    "patch_size": "patch_size",
+    "merge_size": "spatial_merge_size",
+    "temporal_patch_size": "temporal_patch_size",
+}
+#: Top-level keys an app config may have (``hydra`` when Hydra's own node is kept).
+TOP_LEVEL_KEYS = (*AppSchema.__dataclass_fields__, "hydra")
+
+
+def check_config(cfg: DictConfig) -> CUDAGraphCallback:
+    """Refuse a config that cannot work, before anything is built; return its callback.
+
+    Raises:
+        ValueError: an unknown top-level key, a flag that is not true, false or
+            null, or model and data that disagree; the message names the fields,
+            the values and what would fit.
+        hydra.errors.InstantiationException: the callback refused an option (the
+            cause names the field and the allowed values).
+    """
+    unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown top-level key(s) {unknown}; allowed: {', '.join(TOP_LEVEL_KEYS)}"
+        )
+    compare_eager = cfg.get("compare_eager")
+    if compare_eager is not None and not isinstance(compare_eager, bool):
+        raise ValueError(
+            f"compare_eager must be true, false or null (on a GPU only); got {compare_eager!r}"
+        )
+    passes = cfg.get("passes")
+    if passes is not None and (
+        not isinstance(passes, int) or isinstance(passes, bool) or passes < 1
+    ):
+        raise ValueError(f"passes must be a positive integer or null (auto); got passes={passes}")
+    callback = instantiate(cfg.cudagraph)
+    _check_batch_kind(cfg)
+    _check_shared_sizes(cfg)
+    return callback
+
+
+def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) -> None:
+    """Refuse a built tower the data or the graph options cannot serve, before the Trainer.
+
+    Raises:
+        ValueError: the tower's patch or merge size differs from the data's, a
+            ``paths`` entry names a path the tower does not have, or the largest
+            budget cannot fit the device (see :mod:`lightning_cg.engine.budget_memory`).
+    """
+    tower = resolve_module(model, callback.module)
+    if "input" in cfg.model and _tower_kind(cfg) == PACKED:
+        _check_tower_sizes(cfg, getattr(tower, "config", None))
+    try:
+        adapter = adapter_for(tower, callback.adapter)
+    except ValueError as error:
+        raise ValueError(f"cudagraph.module={callback.module!r}: {error}") from None
+    EncoderGraphManager(adapter, callback.config)
+
+
+def _tower_kind(cfg: DictConfig) -> str:
+    return BATCH_FIRST if cfg.model.input.get("image_size") is not None else PACKED
+
+
+def _data_kind(data: DictConfig, option: str) -> str:
+    if option == "photos":
+        return PACKED if data.get("fixed_size") is None else BATCH_FIRST
+    return DATA_KINDS[option][0]
+
+
+def _check_batch_kind(cfg: DictConfig) -> None:
+    option = DATA_OPTIONS.get(cfg.data.get("_target_"))
+    if option is None or "input" not in cfg.model:
+        return  # a data module or model of the user's own: nothing to compare
+    wanted, served = _tower_kind(cfg), _data_kind(cfg.data, option)
+    if wanted == served:
+        return
+    takes = {
+        PACKED: "packed batches (pixel_patches, grid_thw; model.input.image_size is null)",
+        BATCH_FIRST: f"batch-first images of side model.input.image_size="
+        f"{cfg.model.input.get('image_size')}",
+    }
+    serves = {PACKED: "packed batches", BATCH_FIRST: "batch-first images"}
+    photos = {PACKED: "data.fixed_size=null", BATCH_FIRST: "data.fixed_size=model.input.image_size"}
+    fits = [name for name, kinds in DATA_KINDS.items() if wanted in kinds]
+    raise ValueError(
+        f"model={_model_name(cfg)} takes {takes[wanted]}, but data={_data_name(cfg, option)} "
+        f"serves {serves[served]}; data options that fit: {', '.join(fits)} "
+        f"(photos with {photos[wanted]})"
+    )
+
+
+def _check_shared_sizes(cfg: DictConfig) -> None:
+    data, model_input = cfg.data, cfg.model.get("input")
+    if not isinstance(model_input, Mapping):
+        return
+    sizes = PACKED_SIZES if _tower_kind(cfg) == PACKED else BATCH_FIRST_SIZES
+    for data_key, (input_key, default) in sizes.items():
+        expected = model_input.get(input_key, default)
+        if data_key in data and expected is not None and data[data_key] != expected:
+            raise ValueError(
+                f"data.{data_key}={data[data_key]} disagrees with the tower of "
+                f"model={_model_name(cfg)}: model.input.{input_key}={expected}; "
+                f"set data.{data_key}={expected} (its default follows the model)"
+            )
+
+
+def _check_tower_sizes(cfg: DictConfig, tower_config: Any) -> None:
+    # model.input may be overridden apart from the tower's own config.
+    for data_key, tower_key in TOWER_SIZES.items():
+        tower_value = getattr(tower_config, tower_key, None)
+        if isinstance(tower_value, int) and cfg.data.get(data_key, tower_value) != tower_value:
+            raise ValueError(
+                f"data.{data_key}={cfg.data[data_key]} disagrees with the tower of "
+                f"model={_model_name(cfg)}: its config has {tower_key}={tower_value}; set "
+                f"data.{data_key}={tower_value} and model.input.{PACKED_SIZES[data_key][0]}="
+                f"{tower_value}"
+            )
+
+
+def _model_name(cfg: DictConfig) -> str:
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.choices.get("model", "?")
+    tower: Any = OmegaConf.select(cfg, "model.module.vision_tower", default={})
+    return tower.get("name") or str(tower.get("_target_", "?")).rsplit(".", 1)[-1]
+
+
+def _data_name(cfg: DictConfig, option: str) -> str:
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.choices.get("data", option)
+    return option

@@ -1,0 +1,340 @@
+"""The Hydra apps' work as plain functions: build from a config, run, report.
+
+``scripts/predict.py``, ``validate.py``, ``test.py`` and ``train.py`` are thin entry points
+around :func:`run`; tests call it with composed configs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+# Also registers the apps' structured config schema (lightning_cg.app.schema) with Hydra.
+from lightning_cg.app.preflight import check_config, check_tower
+from lightning_cg.callback.checks import resolve_module
+from lightning_cg.callback.graph_callback import CUDAGraphCallback
+
+STAGES = ("predict", "validate", "test", "fit")
+#: The Trainer's batch limit of each stage the apps time passes of.
+_BATCH_LIMITS = {
+    "predict": "limit_predict_batches",
+    "validate": "limit_val_batches",
+    "test": "limit_test_batches",
+}
+#: Passes over the data on a GPU when ``passes`` is null: enough for the steady state.
+GPU_PASSES = 5
+#: Passes the report shows one by one; more are summed up after the second.
+PASS_ROWS = 10
+
+
+@dataclass
+class PassReport:
+    """One pass over the data: one ``trainer.predict``, ``validate`` or ``test`` call.
+
+    Attributes:
+        tower_seconds: seconds inside the tower, synchronized around each call.
+        wall_seconds: seconds of the whole Trainer call.
+        stats: the callback's ``last_stats`` after the pass (empty without a callback).
+    """
+
+    tower_seconds: float
+    wall_seconds: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunReport:
+    """What the passes of one app run did, with the callback and, if asked, eagerly.
+
+    Attributes:
+        stage: ``predict``, ``validate``, ``test`` or ``fit``.
+        seconds: wall seconds of all passes with the callback.
+        stats: the callback's stats of the last pass.
+        outputs: the outputs of every pass, one after another.
+        eager_seconds: wall seconds of the same passes without the callback.
+        max_abs_difference: largest difference between the two runs' outputs.
+        device: where the tower ran (``cuda:0``, ``cpu``).
+        passes: per pass with the callback.
+        eager_passes: per pass without it.
+    """
+
+    stage: str
+    seconds: float
+    stats: dict[str, float]
+    outputs: list = field(default_factory=list)
+    eager_seconds: float | None = None
+    max_abs_difference: float | None = None
+    device: str = "cpu"
+    passes: list[PassReport] = field(default_factory=list)
+    eager_passes: list[PassReport] | None = None
+
+
+class TowerClock:
+    """Seconds spent in a module's forward, with a synchronize on each side of every call.
+
+    Forward hooks, so it also times a forward the CUDA graph callback swapped in.
+    Use as a context manager; :attr:`seconds` adds up until reset.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.seconds = 0.0
+        self._started = 0.0
+        self._handles: list = []
+
+    def __enter__(self) -> TowerClock:
+        self._handles = [
+            self.module.register_forward_pre_hook(self._start),
+            self.module.register_forward_hook(self._stop),
+        ]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _start(self, module: nn.Module, args: tuple) -> None:
+        _synchronize()
+        self._started = time.perf_counter()
+
+    def _stop(self, module: nn.Module, args: tuple, output: object) -> None:
+        _synchronize()
+        self.seconds += time.perf_counter() - self._started
+
+
+def build(cfg: DictConfig) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+    """The LightningModule and DataModule of a config, seeded."""
+    pl.seed_everything(cfg.seed, verbose=False)
+    return instantiate(cfg.model.module), instantiate(cfg.data)
+
+
+def make_trainer(
+    cfg: DictConfig, with_callback: bool = True
+) -> tuple[pl.Trainer, CUDAGraphCallback | None]:
+    """A Trainer from ``cfg.trainer``, with the config's CUDAGraphCallback appended."""
+    callback = instantiate(cfg.cudagraph) if with_callback else None
+    trainer = instantiate(cfg.trainer, callbacks=[callback] if callback else [])
+    return trainer, callback
+
+
+def run(cfg: DictConfig, stage: str) -> RunReport:
+    """Run ``stage`` (predict, validate, test or fit) with the callback; optionally eagerly too.
+
+    ``predict``, ``validate`` and ``test`` run ``cfg.passes`` times over the data (default
+    1; null: :data:`GPU_PASSES` on a GPU, 1 on a CPU), one Trainer call per pass
+    with one callback, as validation runs once per epoch; ``fit`` runs once.
+    ``cfg.compare_eager`` (null: on a GPU only) runs the same passes without
+    the callback. On a GPU one untimed eager batch runs first (CUDA context,
+    cuBLAS), so that neither method's first pass pays for the start.
+
+    A config that cannot work is refused before anything runs
+    (:mod:`lightning_cg.app.preflight`): bad values, model and data that disagree,
+    budgets the device cannot hold.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
+    checked_callback = check_config(cfg)
+    model, datamodule = build(cfg)
+    check_tower(cfg, model, checked_callback)
+    trainer, callback = make_trainer(cfg)
+    on_gpu = trainer.strategy.root_device.type == "cuda"
+    passes = 1 if stage == "fit" else _passes(cfg.get("passes", 1), on_gpu)
+    tower = resolve_module(model, cfg.cudagraph.module)
+    if on_gpu and stage != "fit":
+        _warm_up(cfg, stage, model, datamodule)
+    pass_reports, outputs = _run_passes(trainer, stage, model, datamodule, tower, passes, callback)
+    report = RunReport(
+        stage,
+        _wall_seconds(pass_reports),
+        dict(callback.last_stats),
+        outputs,
+        device=str(trainer.strategy.root_device),
+        passes=pass_reports,
+    )
+    compare_eager = cfg.get("compare_eager")
+    if (on_gpu if compare_eager is None else compare_eager) and stage != "fit":
+        eager_trainer, _ = make_trainer(cfg, with_callback=False)
+        report.eager_passes, eager_outputs = _run_passes(
+            eager_trainer, stage, model, datamodule, tower, passes
+        )
+        report.eager_seconds = _wall_seconds(report.eager_passes)
+        report.max_abs_difference = _max_abs_difference(outputs, eager_outputs)
+    return report
+
+
+def _warm_up(
+    cfg: DictConfig, stage: str, model: pl.LightningModule, datamodule: pl.LightningDataModule
+) -> None:
+    """One untimed eager batch, so that neither method's first pass pays for the GPU's start."""
+    limit = _BATCH_LIMITS[stage]
+    _timed(instantiate(cfg.trainer, callbacks=[], **{limit: 1}), stage, model, datamodule)
+
+
+def _passes(passes: int | None, on_gpu: bool) -> int:
+    if passes is None:
+        return GPU_PASSES if on_gpu else 1
+    if not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a positive integer or null (auto); got {passes!r}")
+    return passes
+
+
+def _wall_seconds(passes: list[PassReport]) -> float:
+    return sum(report.wall_seconds for report in passes)
+
+
+def _run_passes(
+    trainer: pl.Trainer,
+    stage: str,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule,
+    tower: nn.Module,
+    passes: int,
+    callback: CUDAGraphCallback | None = None,
+) -> tuple[list[PassReport], list]:
+    reports, outputs = [], []
+    with TowerClock(tower) as clock:
+        for _ in range(passes):
+            clock.seconds = 0.0
+            seconds, pass_outputs = _timed(trainer, stage, model, datamodule)
+            stats = dict(callback.last_stats) if callback else {}
+            reports.append(PassReport(clock.seconds, seconds, stats))
+            outputs += pass_outputs or []
+    return reports, outputs
+
+
+def _timed(trainer: pl.Trainer, stage: str, model, datamodule) -> tuple[float, list | None]:
+    # Data loading (photos decoded on first setup) stays out of the timing.
+    datamodule.setup(stage)
+    _synchronize()
+    started = time.perf_counter()
+    if stage == "predict":
+        outputs = trainer.predict(model, datamodule=datamodule)
+    elif stage == "validate":
+        outputs = trainer.validate(model, datamodule=datamodule, verbose=False)
+    elif stage == "test":
+        outputs = trainer.test(model, datamodule=datamodule, verbose=False)
+    else:
+        outputs = trainer.fit(model, datamodule=datamodule)
+    _synchronize()
+    return time.perf_counter() - started, outputs
+
+
+def _max_abs_difference(graphed: list, eager: list) -> float:
+    """Largest difference between the passes' outputs: predictions, or the metrics
+    ``validate`` and ``test`` return (``val_loss``, ``test_loss``)."""
+    differences = [
+        (a.float() - b.float()).abs().max().item()
+        if isinstance(a, torch.Tensor)
+        else max((abs(a[name] - b[name]) for name in a), default=0.0)
+        for a, b in zip(graphed, eager, strict=True)
+    ]
+    return max(differences, default=0.0)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@rank_zero_only
+def print_report(report: RunReport, console: Console | None = None) -> None:
+    """The run's table, the tower seconds of its passes against eager, and its capture.
+
+    On a CPU, where the callback runs its CPU path, a note says so instead of
+    figures about graphs. Prints on global rank 0 only: under DDP every rank
+    holds the same summed stats.
+    """
+    console = console or Console()
+    on_gpu = report.device.startswith("cuda")
+    console.print(_run_table(report, on_gpu))
+    if report.stage != "fit" and (len(report.passes) > 1 or report.eager_passes is not None):
+        console.print(_pass_table(report))
+    if on_gpu:
+        console.print(_capture_line(report.passes))
+    else:
+        console.print(
+            "The tower ran on the CPU: CUDA graphs need a CUDA device, so the callback ran "
+            "its CPU path (the same packing and padding; nothing captured or replayed)."
+        )
+
+
+def _run_table(report: RunReport, on_gpu: bool) -> Table:
+    stats, count = report.stats, len(report.passes)
+    images = int(stats.get("items", 0))
+    title = f"lightning-cg {report.stage}" + (f", pass {count} of {count}" if count > 1 else "")
+    rows = [
+        ("images", f"{images}"),
+        ("tokens", f"{int(stats.get('tokens', 0))}"),
+        ("sub-batches", f"{int(stats.get('sub_batches', 0))}"),
+    ]
+    if on_gpu:
+        rows += [
+            ("graph replays", f"{int(stats.get('hits', 0))}"),
+            ("eager runs", f"{int(stats.get('misses', 0))}"),
+        ]
+    rows.append(("padding waste", f"{stats.get('padding_waste', 0.0):.1%}"))
+    if report.stage != "fit" and images:
+        tower_ms = 1000 * report.passes[-1].tower_seconds / images
+        rows.append(("tower ms per image", f"{tower_ms:.2f}"))
+    rows.append(("wall seconds" + (", all passes" if count > 1 else ""), f"{report.seconds:.2f}"))
+    if report.eager_seconds is not None:
+        rows += [
+            ("eager wall seconds", f"{report.eager_seconds:.2f}"),
+            ("largest |callback - eager|", f"{report.max_abs_difference:.3e}"),
+        ]
+    table = Table(title=title)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _pass_table(report: RunReport) -> Table:
+    table = Table(title="tower seconds per pass")
+    table.add_column("pass")
+    columns = [("lightning-cg", report.passes)]
+    if report.eager_passes is not None:
+        columns.insert(0, ("eager", report.eager_passes))
+    for name, _ in columns:
+        table.add_column(name, justify="right")
+    if report.eager_passes is not None:
+        table.add_column("vs eager", justify="right")
+    for label, passes in _pass_groups(len(report.passes)):
+        seconds = [_mean_tower_seconds(reports[passes]) for _, reports in columns]
+        cells = [f"{value:.3f}" for value in seconds]
+        if report.eager_passes is not None:
+            cells.append(f"{seconds[0] / seconds[1]:.2f}x" if seconds[1] else "-")
+        table.add_row(label, *cells)
+    return table
+
+
+def _pass_groups(count: int) -> list[tuple[str, slice]]:
+    """Rows of the pass table: every pass, or passes 1, 2 and the mean of the rest."""
+    if count <= PASS_ROWS:
+        return [(f"{index + 1}", slice(index, index + 1)) for index in range(count)]
+    return [("1", slice(0, 1)), ("2", slice(1, 2)), (f"3-{count}, mean", slice(2, count))]
+
+
+def _mean_tower_seconds(passes: list[PassReport]) -> float:
+    return sum(report.tower_seconds for report in passes) / len(passes)
+
+
+def _capture_line(passes: list[PassReport]) -> str:
+    graphs = [int(report.stats["graphs_captured"]) for report in passes]
+    seconds = sum(report.stats["capture_seconds_run"] for report in passes)
+    per_pass = ", ".join(str(count) for count in graphs)
+    return (
+        f"capture: {sum(graphs)} graphs in {seconds:.2f} s (graphs per pass: {per_pass}); "
+        "the tower seconds above include it"
+    )

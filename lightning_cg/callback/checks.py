@@ -1,0 +1,223 @@
+"""What :class:`~lightning_cg.CUDAGraphCallback` refuses, and where it finds the tower.
+
+Its own arguments are checked at construction, the trainer's strategy at
+``setup``; the tower is the submodule at a dotted attribute path of the
+LightningModule, or, without one, the one vision tower found in it
+(:func:`find_tower`). Every error names the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from torch import nn
+
+from lightning_cg.adapters import ADAPTERS, adapter_name_by_type
+from lightning_cg.engine.config import GraphConfig
+from lightning_cg.engine.encoder import GraphableEncoder
+
+STAGES = ("validate", "test", "predict")
+#: Builds the adapter of a tower (an adapter class is one).
+AdapterFactory = Callable[[nn.Module], GraphableEncoder]
+#: Strategies that shard parameters: a graph would capture one shard's addresses.
+REFUSED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
+#: Forward parameters of a model that takes text besides images (CLIPModel, a
+#: vision-language model): not a tower itself, its vision tower is a submodule.
+TEXT_INPUTS = ("input_ids", "decoder_input_ids")
+
+
+def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adapter: Any) -> None:
+    """Raise a ValueError for a ``module`` that is neither None nor a dotted attribute
+    path, ``stages`` outside :data:`STAGES`, a flag (by name) that is not a bool, or
+    an ``adapter`` that is no adapter name, adapter or callable."""
+    if module is not None and (
+        not isinstance(module, str) or not all(part.isidentifier() for part in module.split("."))
+    ):
+        raise ValueError(
+            "module must be a dotted attribute path like 'model.visual', or None to find "
+            f"the vision tower; got {module!r}"
+        )
+    _check_stages(stages)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false; got {name}={value!r}")
+    named = isinstance(adapter, str) and adapter in ADAPTERS
+    if not (adapter is None or named or _is_adapter_or_factory(adapter)):
+        raise ValueError(
+            f"adapter must be one of {', '.join(ADAPTERS)}, a GraphableEncoder, a callable "
+            f"that builds one from the tower, or None; got adapter={adapter!r}"
+        )
+
+
+def graph_config(config: Any, options: Mapping[str, Any]) -> GraphConfig:
+    """The callback's graph options: ``config`` or the keyword ``options``, not both.
+
+    A capture that fails mid-run turns the rank eager, not the run into an error,
+    so ``capture_errors`` is the callback's to set.
+
+    Raises:
+        ValueError: both given, ``config`` no GraphConfig, ``capture_errors``
+            among the options, or a bad option (named, with the allowed values).
+    """
+    if "capture_errors" in options:
+        raise ValueError(
+            "capture_errors is not a callback option: a capture that fails mid-run "
+            "always turns the rank eager"
+        )
+    if config is None:
+        return GraphConfig.from_options(capture_errors="eager", **options)
+    if not isinstance(config, GraphConfig):
+        raise ValueError(f"config must be a GraphConfig or None; got config={config!r}")
+    if options:
+        raise ValueError(
+            f"config holds every graph option; pass {sorted(options)} inside it, not beside it"
+        )
+    return dataclasses.replace(config, capture_errors="eager")
+
+
+def check_strategy(trainer: pl.Trainer) -> None:
+    """Raise a RuntimeError for a strategy that shards parameters."""
+    if isinstance(trainer.strategy, REFUSED_STRATEGIES):
+        strategy = type(trainer.strategy).__name__
+        raise RuntimeError(
+            f"CUDAGraphCallback does not support {strategy}: it shards parameters, and a "
+            "graph captured on one shard's addresses cannot replay. Use strategy='ddp' or "
+            "'auto', or remove the callback."
+        )
+
+
+def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:
+    """The submodule at a dotted attribute path, with an error naming what is missing;
+    for ``path=None`` the one vision tower in ``pl_module`` (:func:`find_tower`)."""
+    if path is None:
+        return find_tower(pl_module)[1]
+    try:
+        module = operator.attrgetter(path)(pl_module)
+    except AttributeError:
+        children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
+        raise ValueError(
+            f"module={path!r} does not exist on {type(pl_module).__name__}; "
+            f"its child modules: {children}"
+        ) from None
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module={path!r} is a {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def find_tower(pl_module: nn.Module) -> tuple[str, nn.Module]:
+    """The dotted path and module of the one vision tower among ``pl_module``'s submodules.
+
+    A tower is a submodule :func:`is_tower` accepts. Only the outermost counts:
+    the blocks of a timm model or the submodules of a transformers model are
+    parts of their tower, not towers of their own.
+
+    Raises:
+        ValueError: no tower, or several (listed by dotted path), before any work.
+    """
+    found: list[tuple[str, nn.Module]] = []
+    # named_modules walks depth first, a module before its submodules.
+    for path, module in pl_module.named_modules():
+        if not path or any(path.startswith(f"{outer}.") for outer, _ in found):
+            continue  # the LightningModule itself, or a part of a tower found already
+        if is_tower(module):
+            found.append((path, module))
+    owner = type(pl_module).__name__
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
+        raise ValueError(
+            f"CUDAGraphCallback found no vision tower in {owner}: no submodule is a "
+            "torchvision or timm model, a transformers vision model, a Qwen vision tower, "
+            "a tower whose forward takes (pixel_patches, grid_thw), or a GraphableEncoder. "
+            "Pass module='<dotted path>' (and adapter=... if its type picks none); "
+            f"its child modules: {children}"
+        )
+    listed = ", ".join(f"{path!r} ({type(module).__name__})" for path, module in found)
+    raise ValueError(
+        f"CUDAGraphCallback found {len(found)} vision towers in {owner}: {listed}. "
+        f"Pass module= the one to serve, e.g. CUDAGraphCallback(module={found[0][0]!r}), "
+        "and one callback per tower."
+    )
+
+
+def is_tower(module: nn.Module) -> bool:
+    """Whether the callback takes ``module`` for a vision tower without being told:
+    it implements GraphableEncoder, or ``adapter_for`` chooses an adapter for it by
+    type and its forward takes no text (:data:`TEXT_INPUTS`). A ``torch.compile``
+    wrapper is judged by the module it wraps, so that the wrapper is the tower
+    (and left alone, see :func:`is_compiled`)."""
+    if is_compiled(module):
+        module = module._orig_mod
+    if isinstance(module, GraphableEncoder):
+        return True
+    return adapter_name_by_type(module) is not None and not _takes_text(module)
+
+
+def _takes_text(module: nn.Module) -> bool:
+    try:
+        parameters = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in parameters for name in TEXT_INPUTS)
+
+
+def check_one_callback_per_tower(
+    callback: Any, others: Sequence[Any], pl_module: nn.Module, tower: nn.Module
+) -> None:
+    """Refuse a second callback on ``tower``: two would wrap one forward in each other and
+    the first to finish would put back the other's wrapper, not the tower's forward."""
+    for other in others:
+        if other is callback:
+            continue
+        try:
+            same = resolve_module(pl_module, other.module) is tower
+        except ValueError:
+            continue  # the other callback reports its own missing tower at its setup
+        if same:
+            raise ValueError(
+                f"two CUDAGraphCallbacks serve the same tower {type(tower).__name__}: "
+                f"{describe(callback)} and {describe(other)}. Keep one callback per tower "
+                "(one callback serves several stages: pass stages=[...])."
+            )
+
+
+def describe(callback: Any) -> str:
+    """A callback's identifying settings, as in an error message."""
+    return (
+        f"CUDAGraphCallback(module={callback.module!r}, stages={list(callback.stages)}, "
+        f"mode={callback.mode.value!r})"
+    )
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is wrapped by ``torch.compile`` (the callback leaves it alone)."""
+    return hasattr(module, "_orig_mod")
+
+
+def _is_adapter_or_factory(adapter: Any) -> bool:
+    if isinstance(adapter, type):
+        return True  # an adapter class builds the adapter
+    return isinstance(adapter, GraphableEncoder) or (
+        callable(adapter) and not isinstance(adapter, nn.Module)
+    )
+
+
+def _check_stages(stages: Any) -> None:
+    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence) or not stages:
+        raise ValueError(
+            f"stages must be a non-empty list of stage names from {', '.join(STAGES)}; got "
+            f"stages={stages!r} (without graphs in any stage, leave the callback out)"
+        )
+    unknown = sorted({repr(stage) for stage in stages if stage not in STAGES})
+    if unknown:
+        raise ValueError(f"stages has {', '.join(unknown)}; allowed: {', '.join(STAGES)}")
+    repeated = sorted({stage for stage in stages if list(stages).count(stage) > 1})
+    if repeated:
+        raise ValueError(f"stages lists {', '.join(repeated)} more than once; got {list(stages)}")

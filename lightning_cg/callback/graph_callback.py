@@ -1,0 +1,322 @@
+r"""
+CUDA Graph Callback
+^^^^^^^^^^^^^^^^^^^
+
+Swaps a vision tower's forward for budget-batched CUDA graph replay during
+validation, testing and prediction, and puts the original back for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_cg.adapters import adapter_for
+from lightning_cg.callback.checks import (
+    STAGES,
+    AdapterFactory,
+    check_callback_args,
+    check_one_callback_per_tower,
+    check_strategy,
+    find_tower,
+    graph_config,
+    is_compiled,
+    resolve_module,
+)
+from lightning_cg.callback.progress import CaptureProgress
+from lightning_cg.callback.report import (
+    reduce_stats,
+    report_cpu_path,
+    report_rebinding,
+    report_run,
+)
+from lightning_cg.callback.trainer_runs import total_batches, validation_runs_after
+from lightning_cg.core.dispatcher import GraphMode
+from lightning_cg.engine.binding import CHANGED, TensorBinding
+from lightning_cg.engine.config import BudgetConfig, GraphConfig
+from lightning_cg.engine.encoder import GraphableEncoder
+from lightning_cg.engine.manager import EncoderGraphManager
+from lightning_cg.engine.parallel import execute_data_parallel
+
+
+class CUDAGraphCallback(Callback):
+    r"""Replays a vision tower through CUDA graphs in validation, test and prediction.
+
+    On ``*_start`` of each configured stage the tower found at ``module`` (a
+    dotted attribute path of the LightningModule; by default the one vision
+    tower in it, found at ``setup``) gets a forward that packs the
+    items of every call into sub-batches, replays the graph of the smallest
+    fitting budget and falls back to eager where none fits. On ``*_end``,
+    ``teardown`` and exceptions the original forward comes back, so training
+    never runs through a graph. Graphs outlive the run: when the tower comes back
+    with parameters of the same shapes, dtypes and device in new storage (a
+    Trainer's teardown moves it to the CPU and back), the values are copied into
+    the storage the graphs read (:mod:`lightning_cg.engine.binding`); only a change of
+    shape, dtype or device recaptures. A key is captured on demand, once its
+    capture is expected to pay for itself (:mod:`lightning_cg.core.capture_policy`);
+    until then it runs eagerly.
+
+    A capture that runs out of memory keeps the budgets that fit, and a path
+    whose tower a graph cannot hold (a host sync such as ``.item()``) runs
+    eagerly; the manager warns once with the budget or the cause and the fix.
+    Under DDP each rank captures its own graphs. Whether graphs are used is
+    agreed at the start of every run: a rank whose capture failed otherwise runs
+    the rest of its run eagerly, and from the next run on every rank does (mode
+    ``none``). Stats are summed over ranks.
+
+    Args:
+        module: dotted path of the tower inside the LightningModule; None (the
+            default) finds the one vision tower in it at every ``setup``: the
+            outermost submodule whose type picks an adapter (a torchvision or
+            timm model, a transformers vision model, a Qwen vision tower, a
+            forward taking ``(pixel_patches, grid_thw)``) or that implements
+            GraphableEncoder (:func:`~lightning_cg.callback.checks.find_tower`;
+            none or several is a ValueError listing them). ``module`` then holds
+            the found path.
+        stages: the stages that run through graphs: any of ``validate`` (also a
+            fit's validation), ``test`` and ``predict``.
+        mode: ``none``, ``full`` (the default), ``full_uniform_only``,
+            ``piecewise`` or ``full_and_piecewise`` (see README).
+        budgets: the token budgets of every path, a mapping of
+            :class:`~lightning_cg.engine.config.BudgetConfig` fields (``min_budget``,
+            ``max_budget``, ``budgets``, ``ladder``, ...).
+        capture: ``paid_back`` (the default: a key is captured once the calls
+            known to come repay its capture, or the eager time spent on it
+            reaches the capture's cost), ``first_use`` (at the first batch that
+            needs it) or ``upfront`` (a path's whole ladder at its first call).
+        compile: capture a ``torch.compile``'d graph forward (default False).
+        adapter: how the tower is made graphable: ``packed``, ``batched``,
+            ``hf``, a :class:`~lightning_cg.engine.encoder.GraphableEncoder`, or a
+            callable that builds one from the tower; None picks one by the
+            tower's type.
+        encoder_data_parallel: for ranks that all receive the same batch (e.g.
+            ``Trainer(use_distributed_sampler=False)``, a model-parallel language
+            model): each rank encodes a share of every batch's items and the rows
+            are all-gathered over the default process group
+            (:func:`~lightning_cg.engine.parallel.execute_data_parallel`). Off, or with
+            one process, every rank encodes its whole batch.
+        keep_graphs: keep graphs between runs; False frees them after each run.
+        config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`,
+            instead of ``mode``, ``budgets``, ``capture``, ``compile`` and ``options``.
+        **options: any other :class:`~lightning_cg.engine.config.GraphConfig` field
+            (``paths``, ``max_items_per_batch``, ``verify``, ``splitting_ops``,
+            ``cast_weights_per_run``, ...), documented there.
+
+    Example::
+
+        trainer = Trainer(callbacks=[CUDAGraphCallback(mode="full")])
+        trainer.predict(model, datamodule)
+    """
+
+    def __init__(
+        self,
+        module: str | None = None,
+        stages: Sequence[str] = STAGES,
+        mode: str | None = None,
+        budgets: Mapping[str, Any] | BudgetConfig | None = None,
+        capture: str | None = None,
+        compile: bool | None = None,
+        adapter: str | AdapterFactory | GraphableEncoder | None = None,
+        encoder_data_parallel: bool = False,
+        keep_graphs: bool = True,
+        config: GraphConfig | None = None,
+        **options: Any,
+    ) -> None:
+        flags = {"keep_graphs": keep_graphs, "encoder_data_parallel": encoder_data_parallel}
+        check_callback_args(module, stages, flags, adapter)
+        self.module = module
+        #: Whether setup finds the tower (module=None), each time: the model may differ.
+        self._find_tower = module is None
+        named = {"mode": mode, "budgets": budgets, "capture": capture, "compile": compile}
+        options = {name: value for name, value in named.items() if value is not None} | options
+        #: The graph options, checked once, shared with the manager.
+        self.config = graph_config(config, options)
+        self.mode = self.config.mode
+        self.stages = tuple(stages)
+        self.keep_graphs = keep_graphs
+        self.adapter = adapter
+        self.encoder_data_parallel = encoder_data_parallel
+        self.manager: EncoderGraphManager | None = None
+        #: Stats of the last validation, test or predict run, summed over ranks.
+        self.last_stats: dict[str, float] = {}
+        self._tower: nn.Module | None = None
+        self._binding: TensorBinding | None = None
+        self._swapped: dict | None = None
+        self._told_cpu = False
+        #: The manager serving the current run: ``manager``, or the eager one.
+        self._run_manager: EncoderGraphManager | None = None
+        self._eager: EncoderGraphManager | None = None
+        #: Whether a capture failed in an earlier run (on a manager since replaced too).
+        self._capture_failed = False
+
+    # ------------------------------------------------------------ set-up
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_strategy(trainer)
+        if self._find_tower:
+            self.module, tower = find_tower(pl_module)
+        else:
+            tower = resolve_module(pl_module, self.module)
+        others = [callback for callback in trainer.callbacks if isinstance(callback, type(self))]
+        check_one_callback_per_tower(self, others, pl_module, tower)
+        if is_compiled(tower):
+            rank_zero_warn(
+                f"CUDAGraphCallback: {self.module!r} is compiled with torch.compile; "
+                "leaving it alone (use mode='reduce-overhead' or drop torch.compile)."
+            )
+            return
+        if self.manager is None or tower is not self._tower:
+            self._tower = tower
+            self._binding = None
+            self.manager = self._build_manager(tower)
+
+    def _build_manager(
+        self, tower: nn.Module, mode: GraphMode | None = None
+    ) -> EncoderGraphManager:
+        config = self.config if mode is None else dataclasses.replace(self.config, mode=mode)
+        return EncoderGraphManager(adapter_for(tower, self.adapter), config, CaptureProgress())
+
+    # -------------------------------------------------------- stage hooks
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The sanity check's few batches run eagerly: they check the loop, not the speed.
+        if "validate" in self.stages and not trainer.sanity_checking:
+            later_runs = validation_runs_after(trainer)
+            self._swap_in(trainer, total_batches(trainer.num_val_batches), later_runs)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_run(trainer, "validate")
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "test" in self.stages:
+            self._swap_in(trainer, total_batches(trainer.num_test_batches))
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_run(trainer, "test")
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "predict" in self.stages:
+            self._swap_in(trainer, total_batches(trainer.num_predict_batches))
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_run(trainer, "predict")
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self.restore()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.restore()
+
+    # ------------------------------------------------------------ swapping
+
+    def _swap_in(
+        self, trainer: pl.Trainer, expected_calls: int | None, later_runs: int | None = None
+    ) -> None:
+        # A collective: every rank takes part before any of them may return.
+        graphs_usable = self._agree_graphs_usable(trainer)
+        if self.manager is None or self._tower is None or self._swapped is not None:
+            return
+        self._bind_tensors()
+        self._tell_once_without_cuda()
+        self._run_manager = self.manager if graphs_usable else self._eager_manager()
+        self._run_manager.begin_run(expected_calls, later_runs)
+        tower, manager = self._tower, self._run_manager
+        execute = self._executor(trainer)
+
+        def graphed_forward(*args: Any, **kwargs: Any) -> Any:
+            return execute(manager, manager.encoder.inputs_from_call(args, kwargs))
+
+        # Remember an instance-level forward (another wrapper) to put it back as it was.
+        self._swapped = {
+            "had_instance_forward": "forward" in tower.__dict__,
+            "forward": tower.__dict__.get("forward"),
+        }
+        tower.forward = graphed_forward
+
+    def _agree_graphs_usable(self, trainer: pl.Trainer) -> bool:
+        """Whether every rank can use graphs this run; if not, all run mode ``none``."""
+        # A capture error turned a manager's paths eager; every later run agrees on it.
+        self._capture_failed |= self.manager is not None and self.manager.capture_error is not None
+        usable = self.manager is not None and not self._capture_failed
+        agreed = trainer.strategy.reduce_boolean_decision(usable, all=True)
+        if not agreed and self.manager is not None and self.mode is not GraphMode.NONE:
+            rank_zero_warn(
+                "CUDAGraphCallback: graph capture failed on at least one rank; every rank "
+                "runs the tower eagerly (mode 'none')."
+            )
+        return agreed
+
+    def _eager_manager(self) -> EncoderGraphManager:
+        if self.mode is GraphMode.NONE:
+            return self.manager
+        if self._eager is None:
+            self._eager = self._build_manager(self._tower, mode=GraphMode.NONE)
+        return self._eager
+
+    def _executor(self, trainer: pl.Trainer) -> Callable[[EncoderGraphManager, Any], Any]:
+        """``manager.execute``, or its data-parallel form over the default process group."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not (self.encoder_data_parallel and distributed and trainer.world_size > 1):
+            return EncoderGraphManager.execute
+        device = trainer.strategy.root_device
+        return lambda manager, inputs: execute_data_parallel(manager, inputs, device=device)
+
+    def restore(self) -> None:
+        """Put the tower's original forward back (safe to call at any time)."""
+        if self._swapped is None or self._tower is None:
+            return
+        if self._swapped["had_instance_forward"]:
+            self._tower.forward = self._swapped["forward"]
+        else:
+            del self._tower.forward
+        self._swapped = None
+
+    def _bind_tensors(self) -> None:
+        """Keep the graphs reading the tower's current values (see ``engine.binding``)."""
+        if self._binding is None:
+            self._binding = TensorBinding(self._tower)
+            return
+        outcome = self._binding.rebind(self._tower)
+        report_rebinding(outcome)
+        if outcome == CHANGED:
+            self.manager.clear()
+            self._binding = TensorBinding(self._tower)
+
+    def _tell_once_without_cuda(self) -> None:
+        if self._told_cpu or next(self._tower.parameters(), torch.empty(0)).is_cuda:
+            return
+        report_cpu_path()
+        self._told_cpu = True
+
+    # ---------------------------------------------------------------- stats
+
+    def _finish_run(self, trainer: pl.Trainer, stage: str) -> None:
+        if self._swapped is None:
+            return
+        self.restore()
+        self._capture_failed |= self._run_manager.capture_error is not None
+        self.last_stats = reduce_stats(trainer, self._run_manager.stats.as_dict())
+        on_cuda = next(self._tower.parameters(), torch.empty(0)).is_cuda
+        report_run(trainer, self.last_stats, stage, on_cuda)
+        if not self.keep_graphs:
+            self.manager.clear()
+            self._binding = None

@@ -1,0 +1,79 @@
+"""What :class:`~lightning_cg.callback.graph_callback.CUDAGraphCallback` tells the user.
+
+At the start of a run: whether the tower's tensors were rebound or its graphs
+are captured again, and once that the tower is on the CPU. At the end: the
+run's stats summed over ranks (rates recomputed from the sums), logged to the
+trainer's loggers as ``cudagraph/<name>`` and told in one line. Messages come
+from rank zero only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_cg.core.stats import GraphStats
+from lightning_cg.engine.binding import CHANGED, REBOUND
+
+
+def report_rebinding(outcome: str) -> None:
+    """Say what :meth:`~lightning_cg.engine.binding.TensorBinding.rebind` did, if anything."""
+    if outcome == REBOUND:
+        rank_zero_info(
+            "CUDAGraphCallback: tower tensors came back in new storage; "
+            "copied their values into the captured storage, graphs kept."
+        )
+    elif outcome == CHANGED:
+        rank_zero_info(
+            "CUDAGraphCallback: a tower parameter or buffer changed shape, dtype or "
+            "device; its graphs are captured again."
+        )
+
+
+def report_cpu_path() -> None:
+    """Say that without CUDA the tower runs the budget path without capture."""
+    rank_zero_info(
+        "CUDAGraphCallback: CUDA graphs need a CUDA device; the tower is on the CPU, so "
+        "batches run the same budget path (pack, pad, scatter) without capture."
+    )
+
+
+def reduce_stats(trainer: pl.Trainer, stats: Mapping[str, float]) -> dict[str, float]:
+    """Counters summed over ranks, rates recomputed from the sums."""
+    rates = GraphStats().rates()
+    counters = {name: value for name, value in stats.items() if name not in rates}
+    totals = torch.tensor(
+        list(counters.values()), dtype=torch.float64, device=trainer.strategy.root_device
+    )
+    totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()
+    summed = dict(zip(counters, totals, strict=True))
+    return {**summed, **GraphStats(**summed).rates()}
+
+
+def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_cuda: bool) -> None:
+    """Log ``stats`` (summed over ranks) as metrics and tell them in one line."""
+    metrics = {f"cudagraph/{name}": value for name, value in stats.items()}
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+    if not on_cuda:
+        rank_zero_info(
+            f"CUDAGraphCallback ({stage}): {stats['sub_batches']:.0f} sub-batches ran the "
+            f"CPU path (no CUDA graphs), padding waste {stats['padding_waste']:.1%}"
+        )
+    else:
+        rank_zero_info(
+            f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
+            f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
+            f"padding waste {stats['padding_waste']:.1%}, "
+            f"{stats['graphs_captured']:.0f} graphs captured in "
+            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)" + _compiling(stats)
+        )
+
+
+def _compiling(stats: Mapping[str, float]) -> str:
+    """What compiling cost this run, if it compiled."""
+    seconds = stats.get("compile_seconds_run", 0.0)
+    return f", {seconds:.2f} s of it compiling the graph forward" if seconds else ""

@@ -1,0 +1,107 @@
+"""Counters of one manager: what ran in graphs, what ran eagerly and why, what capture cost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+#: Why a path of a sub-batch ran eagerly, as counted in :class:`GraphStats`.
+EAGER_REASONS = (
+    "no_graph_yet",  # the key is not captured yet: its replays have not yet repaid a capture
+    "policy",  # the capture policy expects no gain from a graph of this key
+    "above_budget",  # no graph holds the sub-batch (more tokens than the largest budget)
+    "measured_slower",  # the key's graph was measured slower than eager
+    "rows_interact",  # the key's padded graph differed from eager: the tower's rows interact
+)
+
+
+@dataclass
+class GraphStats:
+    """Counters of one manager, over its lifetime or, for the ``*_run`` fields
+    and the per-call counters, since :meth:`reset_run`.
+
+    A hit is one path of one sub-batch served by a graph, a miss one that ran
+    eagerly; piecewise hits are the hits served by PIECEWISE pieces. Padded
+    tokens are the budget rows a replay computed beyond the real ones. Graphs
+    count the CUDA graphs held: one per FULL key, one per piece of a PIECEWISE
+    key; graphs captured those of this run. Host seconds add up the host time
+    of replays (metadata, copies, launch, clone; nothing waits for the GPU),
+    launch seconds the part of it spent in the graph launch itself (the CUDA
+    driver's work, not the manager's); compile seconds the first
+    graph forwards of a compiled encoder (part of the capture seconds), over
+    the manager's lifetime and in this run. The ``eager_*`` counters split the
+    misses by reason (:data:`EAGER_REASONS`). Checked replays (and their real
+    tokens) are replays also run eagerly to compare: a graph's first padded one.
+    """
+
+    hits: int = 0
+    piecewise_hits: int = 0
+    misses: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    graphs: int = 0
+    graphs_captured: int = 0
+    capture_seconds: float = 0.0
+    capture_seconds_run: float = 0.0
+    pool_bytes: int = 0
+    sub_batches: int = 0
+    items: int = 0
+    tokens: int = 0
+    host_seconds: float = 0.0
+    launch_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    compile_seconds_run: float = 0.0
+    eager_no_graph_yet: int = 0
+    eager_policy: int = 0
+    eager_above_budget: int = 0
+    eager_measured_slower: int = 0
+    eager_rows_interact: int = 0
+    checked_replays: int = 0
+    checked_tokens: int = 0
+
+    #: Counters that describe what is held, not what a run did: kept by reset_run.
+    LIFETIME = ("graphs", "capture_seconds", "pool_bytes", "compile_seconds")
+
+    @property
+    def hit_rate(self) -> float:
+        runs = self.hits + self.misses
+        return self.hits / runs if runs else 0.0
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded tokens per real token served by graphs."""
+        return self.padded_tokens / self.real_tokens if self.real_tokens else 0.0
+
+    @property
+    def host_us_per_replay(self) -> float:
+        """Host microseconds of one graph replay, on average."""
+        return 1e6 * self.host_seconds / self.hits if self.hits else 0.0
+
+    @property
+    def launch_us_per_replay(self) -> float:
+        """Host microseconds of one replay's graph launch, on average; the rest
+        of :attr:`host_us_per_replay` is the manager's own work."""
+        return 1e6 * self.launch_seconds / self.hits if self.hits else 0.0
+
+    def count_eager(self, reason: str) -> None:
+        """One path of a sub-batch ran eagerly for ``reason`` (one of :data:`EAGER_REASONS`)."""
+        self.misses += 1
+        name = f"eager_{reason}"
+        setattr(self, name, getattr(self, name) + 1)
+
+    def rates(self) -> dict[str, float]:
+        """The stats derived from the counters (recomputed, not summed, over ranks)."""
+        return {
+            "hit_rate": self.hit_rate,
+            "padding_waste": self.padding_waste,
+            "host_us_per_replay": self.host_us_per_replay,
+            "launch_us_per_replay": self.launch_us_per_replay,
+        }
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), **self.rates()}
+
+    def reset_run(self) -> None:
+        """Zero the counters of a run; what is held (graphs, pool, total capture time) stays."""
+        for counter in fields(self):
+            if counter.name not in self.LIFETIME:
+                setattr(self, counter.name, counter.default)

@@ -1,0 +1,114 @@
+"""Budgets no device can hold, refused before anything is allocated.
+
+A graph of token budget ``B`` holds static input buffers of ``B`` tokens'
+rows, so ``B`` times the bytes of one token's input rows is a lower bound on
+what capturing it allocates (activations and outputs come on top). An adapter
+that knows that figure implements ``min_bytes_per_token(path) -> int | None``
+(the packed and Qwen adapters: ``merge**2`` patch rows; the batched ones: one
+image when the tower fixes its side); where it is unknown (a ResNet, whose
+image side comes with the first batch) nothing is checked.
+
+The bound is compared with the most memory the tower may run in: its device's
+total memory, and for a tower still on the CPU (Lightning moves it to the GPU
+after the callback's ``setup``) the larger of host memory and the largest
+GPU's. Only a budget past that is refused, so a refusal is never wrong; a
+budget that passes may still run out of memory at capture, where the manager
+keeps the budgets below it (:mod:`lightning_cg.engine.faults`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from lightning_cg.engine.config import BudgetConfig, GraphConfig
+
+#: Bytes of the narrowest value a tower's input takes (bfloat16, float16): keeps the bound low.
+MIN_ELEMENT_BYTES = 2
+_GIB = 1 << 30
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine; None where the OS does not tell."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_in_reach(device: torch.device | None) -> tuple[int, str] | None:
+    """The most bytes a tower on ``device`` may run in, and where they are.
+
+    A CUDA device: its total memory. The CPU or an unknown device: the larger
+    of host memory and the largest GPU's, since the tower may still move.
+    None for devices without memory (``meta``) or when nothing is known.
+    """
+    if device is not None and device.type == "meta":
+        return None
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, str(device)
+    candidates = []
+    host = host_memory_bytes()
+    if host:
+        candidates.append((host, "host memory"))
+    if torch.cuda.is_available():
+        candidates += [
+            (torch.cuda.get_device_properties(index).total_memory, f"cuda:{index}")
+            for index in range(torch.cuda.device_count())
+        ]
+    return max(candidates) if candidates else None
+
+
+def check_budgets_fit(
+    encoder: object, budgets: Mapping[str, Sequence[int]], config: GraphConfig
+) -> None:
+    """Refuse a path whose largest budget's input buffers alone outgrow any memory in reach.
+
+    Args:
+        encoder: the adapter; checked where it has ``min_bytes_per_token``.
+        budgets: each path's resolved budgets.
+        config: names the field that set the largest budget in the message.
+
+    Raises:
+        ValueError: the field (``max_budget``, ``budgets`` or the path's entry
+            in ``paths``), its value, the bytes it needs and the memory there is.
+    """
+    bytes_per_token = getattr(encoder, "min_bytes_per_token", None)
+    if bytes_per_token is None:
+        return
+    reach = memory_in_reach(_device_of(encoder))
+    if reach is None:
+        return
+    limit, where = reach
+    for path, path_budgets in budgets.items():
+        per_token = bytes_per_token(path)
+        largest = max(path_budgets, default=0)
+        if not per_token or largest * per_token <= limit:
+            continue
+        field, value = _budget_field(path, config, largest)
+        raise ValueError(
+            f"{field}={value} cannot fit: the largest graph of path {path!r} holds {largest} "
+            f"tokens, and its static input buffers alone need at least "
+            f"{largest * per_token / _GIB:.1f} GiB ({per_token} bytes a token), more than the "
+            f"{limit / _GIB:.1f} GiB of {where}; keep {field} at most "
+            f"{limit // per_token} tokens (far fewer in practice: activations come on top)"
+        )
+
+
+def _device_of(encoder: object) -> torch.device | None:
+    tower = getattr(encoder, "tower", None)
+    parameter = next(tower.parameters(), None) if isinstance(tower, torch.nn.Module) else None
+    return None if parameter is None else parameter.device
+
+
+def _budget_field(path: str, config: GraphConfig, largest: int) -> tuple[str, str]:
+    """The option that set the path's largest budget, and its value as given."""
+    prefix = f"paths.{path}." if path in config.paths else ""
+    choice: BudgetConfig = config.paths.get(path, config.budgets)
+    if choice.budgets is not None:
+        return f"{prefix}budgets", str(list(choice.budgets))
+    if choice.max_budget is not None:
+        return f"{prefix}max_budget", str(choice.max_budget)
+    return f"{prefix}max_budget", f"{largest} (unset: the adapter's default)"

@@ -1,0 +1,215 @@
+"""The graph cache: the one record of what is captured, under named keys.
+
+A graph is found by a :class:`GraphKey`: the graph set (the adapter's
+signature of the batches and the autocast dtype they ran under), the encoder
+path, the runtime mode and the dispatcher's batch descriptor. The cache also
+owns the one memory pool all graphs capture into, and lets the graphs of one
+budget share their input buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_cg.core.dispatcher import BatchDescriptor, GraphMode
+from lightning_cg.engine.encoder import CaptureSpec
+from lightning_cg.engine.piecewise_graph import PiecewiseGraph
+from lightning_cg.engine.static_inputs import StaticInputs
+
+
+@dataclass(frozen=True)
+class GraphSet:
+    """The batches one set of graphs serves: adapter signature and autocast state.
+
+    Hashed on every key lookup of a call, so its hash is computed once.
+    """
+
+    signature: Hashable
+    autocast: tuple = ()
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.signature, self.autocast)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Which graph serves a sub-batch on one path.
+
+    A key is looked up several times per call (cache, capture policy), so its
+    hash is computed once.
+    """
+
+    graph_set: GraphSet
+    path: str
+    mode: GraphMode
+    descriptor: BatchDescriptor
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.graph_set, self.path, self.mode, self.descriptor)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@dataclass
+class CapturedGraph:
+    """Static buffers of one key and how to run the tower on them.
+
+    ``run`` replays the FULL graph or the PIECEWISE pieces (without CUDA, runs
+    the graph forward or the pieces eagerly) on the buffers and returns the
+    output, which the next run overwrites.
+    """
+
+    spec: CaptureSpec
+    buffers: dict[str, torch.Tensor]
+    run: Callable[[], torch.Tensor]
+    cuda_graph: torch.cuda.CUDAGraph | None = None
+    #: A FULL graph's static output, which each replay of ``cuda_graph`` overwrites.
+    output: torch.Tensor | None = None
+    pieces: PiecewiseGraph | None = None
+    #: A replay matched eager (``verify``, or the first replay of a compiled graph).
+    verified: bool = False
+    #: A padded replay matched eager on its real rows: the tower's rows are independent.
+    rows_checked: bool = False
+    #: How each replay rewrites the buffers (and its pinned staging, on CUDA).
+    static_inputs: StaticInputs = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.static_inputs = StaticInputs(self.buffers)
+
+    @property
+    def num_cuda_graphs(self) -> int:
+        """CUDA graphs this key holds: one, one per piece, or none without CUDA."""
+        if self.pieces is not None:
+            return self.pieces.num_graphs
+        return int(self.cuda_graph is not None)
+
+
+class GraphCache:
+    """Captured graphs by key, and the memory pool they share."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[GraphKey, CapturedGraph] = {}
+        self._pool: Any = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __contains__(self, key: GraphKey) -> bool:
+        return key in self._graphs
+
+    def get(self, key: GraphKey) -> CapturedGraph | None:
+        """The graph of ``key``, or None."""
+        return self._graphs.get(key)
+
+    def add(self, key: GraphKey, graph: CapturedGraph) -> None:
+        """Hold ``graph`` under ``key``."""
+        self._graphs[key] = graph
+
+    def items(
+        self, graph_set: GraphSet | None = None, path: str | None = None
+    ) -> Iterator[tuple[GraphKey, CapturedGraph]]:
+        """The keys and graphs of one graph set and/or path (None: any)."""
+        for key, graph in list(self._graphs.items()):
+            if (graph_set is None or key.graph_set == graph_set) and (
+                path is None or key.path == path
+            ):
+                yield key, graph
+
+    def keys(self) -> list[GraphKey]:
+        """Every key captured."""
+        return list(self._graphs)
+
+    def graphs(self) -> list[CapturedGraph]:
+        """Every graph captured."""
+        return list(self._graphs.values())
+
+    @property
+    def num_cuda_graphs(self) -> int:
+        """CUDA graphs held, over every key."""
+        return sum(graph.num_cuda_graphs for graph in self._graphs.values())
+
+    def drop(
+        self,
+        paths: Sequence[str],
+        graph_set: GraphSet | None = None,
+        from_budget: int = 0,
+        mode: GraphMode | None = None,
+    ) -> None:
+        """Forget the graphs of ``paths`` (of one graph set, mode, and from a budget up)."""
+        for key, _ in self.items(graph_set):
+            if (
+                key.path in paths
+                and key.descriptor.num_tokens >= from_budget
+                and (mode is None or key.mode is mode)
+            ):
+                del self._graphs[key]
+        if not self._graphs:
+            # A fresh pool: nothing may capture into a pool whose last graph is gone.
+            self._pool = None
+
+    def remove(self, keys: Sequence[GraphKey]) -> None:
+        """Forget the graphs of ``keys``."""
+        for key in keys:
+            self._graphs.pop(key, None)
+        if not self._graphs:
+            self._pool = None
+
+    def clear(self) -> None:
+        """Forget every graph and the pool."""
+        self._graphs.clear()
+        self._pool = None
+
+    def pool(self) -> Any:
+        """The memory pool every graph captures into (made on first use)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    @property
+    def has_pool(self) -> bool:
+        """Whether any CUDA graph was captured into the pool."""
+        return self._pool is not None
+
+    def share_buffers(
+        self, spec: CaptureSpec, buffers: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``buffers``, each replaced by an equal-shaped one of a captured graph of
+        the same path, budget and signature (filled with the new capture values).
+
+        Graphs replay one at a time and every replay fills its buffers first,
+        so the graphs of one budget (one per item count) need one set of input
+        buffers, not one each.
+        """
+        for graph in self._graphs.values():
+            other = graph.spec
+            if (other.path, other.token_budget, other.signature) != (
+                spec.path,
+                spec.token_budget,
+                spec.signature,
+            ):
+                continue
+            for name, buffer in buffers.items():
+                shared = graph.buffers.get(name)
+                if shared is not None and _same_layout(shared, buffer):
+                    buffers[name] = shared.copy_(buffer)
+        return buffers
+
+
+def _same_layout(first: torch.Tensor, second: torch.Tensor) -> bool:
+    return (first.shape, first.stride(), first.dtype, first.device) == (
+        second.shape,
+        second.stride(),
+        second.dtype,
+        second.device,
+    )

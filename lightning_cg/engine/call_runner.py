@@ -1,0 +1,304 @@
+"""CallRunner: run one call of the tower, sub-batch by sub-batch.
+
+A call's items are packed into sub-batches that fit the budgets; the
+:class:`~lightning_cg.engine.routing.Router` says how each path of a sub-batch runs
+(a graph, or eagerly); graphs are replayed at once
+and every all-eager sub-batch runs together in one eager call, timed where the
+capture policy still needs eager times. The rows are kept per sub-batch
+(:class:`~lightning_cg.engine.outputs.CallOutputs`). Whether a call may use graphs at
+all is the manager's decision; the runner runs it either way.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lightning_cg.core.capture_policy import CapturePolicy
+from lightning_cg.core.memo import StateMemo
+from lightning_cg.core.packing import pack_items
+from lightning_cg.core.stats import GraphStats
+from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphSet
+from lightning_cg.engine.call_timer import CallTimer
+from lightning_cg.engine.capture import GraphCapturer
+from lightning_cg.engine.config import GraphConfig
+from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
+from lightning_cg.engine.outputs import CallOutputs
+from lightning_cg.engine.plan import PathPlan
+from lightning_cg.engine.replay import (
+    autocast_key,
+    check_replay,
+    replay,
+    replay_error,
+    verify_tolerance,
+)
+from lightning_cg.engine.routing import Route, Router, SubBatch
+
+
+class CallRunner:
+    """Runs calls through the graphs the router picks, eager elsewhere.
+
+    Args:
+        encoder: the adapter around the tower.
+        config: the graph options.
+        paths: the path plans.
+        cache: the captured graphs.
+        capturer: captures the keys the router decides to capture.
+        policy: the capture policy, told of every call and of the times measured.
+        stats: the counters of served calls.
+        max_items: the item cap of a sub-batch (``router.max_items`` from then on).
+        padding_rules: the adapter's padding rule by static buffer name.
+    """
+
+    def __init__(
+        self,
+        encoder: GraphableEncoder,
+        config: GraphConfig,
+        paths: Mapping[str, PathPlan],
+        cache: GraphCache,
+        capturer: GraphCapturer,
+        policy: CapturePolicy,
+        stats: GraphStats,
+        max_items: int,
+        padding_rules: Mapping[str, str],
+    ) -> None:
+        self.encoder = encoder
+        self.config = config
+        self.paths = paths
+        self.policy = policy
+        self.stats = stats
+        self.padding_rules = padding_rules
+        self.timer = CallTimer()
+        #: Sub-batches by call shape; shared lists, never changed.
+        self._packings: StateMemo[list[list[int]]] = StateMemo()
+        self.router = Router(config, paths, cache, capturer, policy, stats, self.timer, max_items)
+        #: Called with a description when a compiled graph's first replay differs
+        #: from eager; None while graphs are not compiled. Its rows are then eager's.
+        self.on_compiled_mismatch: Callable[[str], None] | None = None
+
+    def forget_graphs(self) -> None:
+        """Drop the pending timings of the graphs."""
+        self.timer.clear()
+
+    def run_eagerly(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
+        """Every path of the whole call eagerly, as one sub-batch."""
+        call = _Call(None, torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
+        self._run_eagerly(call, self._sub_batch(inputs, list(range(len(specs))), specs))
+        return call.outputs
+
+    def run(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
+        """Route each sub-batch of the call, replay its graphs, then run what is
+        eager as one eager call; the rows are kept per sub-batch."""
+        self.policy.called()
+        self.timer.collect()
+        graph_set = GraphSet(self.encoder.graph_signature(inputs), autocast_key())
+        call = _Call(graph_set, torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
+        eager_items: list[int] = []
+        eager_routes: list[Route] = []
+        for indices in self._pack(specs):
+            sub_batch = self._sub_batch(inputs, indices, specs)
+            self.stats.sub_batches += 1
+            routes = {
+                path: self.router.route(call.graph_set, path, sub_batch) for path in self.paths
+            }
+            if all(route.eager for route in routes.values()):
+                # Eager sub-batches run together below: one eager call, not one each.
+                eager_items += indices
+                eager_routes += routes.values()
+                continue
+            for path, route in routes.items():
+                if route.graph is not None:
+                    self._run_graph(call, route, path, sub_batch)
+                elif route.tokens:
+                    rows = self._eager(call, path, sub_batch)
+                    call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
+        if eager_items:
+            eager_batch = self._sub_batch(inputs, sorted(eager_items), specs)
+            self._run_eager_items(call, eager_batch, eager_routes)
+        return call.outputs
+
+    def _sub_batch(self, inputs: Any, indices: list[int], specs: list[ItemSpec]) -> SubBatch:
+        return SubBatch(self.encoder, inputs, len(specs), indices, [specs[i] for i in indices])
+
+    def _pack(self, specs: list[ItemSpec]) -> list[list[int]]:
+        """The sub-batches of the call's items, remembered per call shape: packing
+        depends on the items' tokens, the item cap and the budgets alone (a
+        plan's dispatcher is replaced whenever its budgets change)."""
+        item_tokens = [spec.path_tokens for spec in specs]
+        shape = tuple(tuple(tokens.items()) for tokens in item_tokens)
+        state = (self.router.max_items, *(plan.dispatcher for plan in self.paths.values()))
+        return self._packings.get(shape, state, lambda: self._pack_now(item_tokens))
+
+    def _pack_now(self, item_tokens: list[dict[str, int]]) -> list[list[int]]:
+        max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
+        ladders = {path: plan.ladder for path, plan in self.paths.items()}
+        packed = pack_items(
+            item_tokens, self.router.max_items, max_budgets, self.config.packing, budgets=ladders
+        )
+        # Items in call order: a graph does not care, and consecutive items are
+        # selected as views (every item of the call: the call itself), not gathered.
+        return [sorted(indices) for indices in packed]
+
+    def _run_eagerly(self, call: _Call, sub_batch: SubBatch) -> bool:
+        """Run every path of one sub-batch eagerly; whether any rows are on CUDA."""
+        on_cuda = False
+        for path in self.paths:
+            tokens = sub_batch.tokens(path)
+            if any(tokens):
+                rows = self._eager(call, path, sub_batch)
+                call.outputs.add(path, sub_batch.indices, rows, tokens)
+                on_cuda = on_cuda or rows.is_cuda
+        return on_cuda
+
+    def _run_eager_items(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> None:
+        """Run the items of every all-eager sub-batch in one eager call.
+
+        Keys the policy still needs eager times of share the call's time by tokens.
+        """
+        timed = [route for route in routes if route.key is not None and route.tokens]
+        timed = [route for route in timed if self.policy.wants_eager_timing(route.key)]
+        if not timed:
+            self._run_eagerly(call, sub_batch)
+            return
+        total = sum(route.tokens for route in routes) or 1
+        path_tokens = {path: sum(sub_batch.tokens(path)) for path in self.paths}
+
+        def record(seconds: float) -> None:
+            for route in timed:
+                self.policy.record_eager(route.key, seconds * route.tokens / total, route.tokens)
+            # The call's time by path, by tokens as above, for the path's cost line.
+            for path, tokens in path_tokens.items():
+                if tokens:
+                    self.policy.record_eager_call(path, tokens, seconds * tokens / total)
+
+        with self.timer.timed(record) as timing:
+            timing.on_cuda = self._run_eagerly(call, sub_batch)
+
+    def _run_graph(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
+        key, graph, total = route.key, route.graph, route.tokens
+        started = time.perf_counter()
+        encoder, rules, stats = self.encoder, self.padding_rules, self.stats
+        if self.policy.wants_graph_timing(key):
+            with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
+                rows = replay(graph, encoder, rules, path, sub_batch.inputs, total, stats)
+                t.on_cuda = rows.is_cuda
+        else:
+            rows = replay(graph, encoder, rules, path, sub_batch.inputs, total, stats)
+        self.stats.host_seconds += time.perf_counter() - started
+        # Counted once served: a replay that raised (a bad input) is no hit.
+        self.stats.hits += 1
+        self.stats.piecewise_hits += graph.pieces is not None
+        self.stats.real_tokens += total
+        self.stats.padded_tokens += key.descriptor.num_tokens - total
+        if self.config.verify and not graph.verified:
+            check_replay(graph, path, rows, self._eager(call, path, sub_batch))
+        padded = _padded(graph, total, len(sub_batch.indices))
+        compiled_unchecked = self.on_compiled_mismatch is not None and not graph.verified
+        if compiled_unchecked or (padded and not graph.rows_checked):
+            rows = self._checked_against_eager(call, route, path, sub_batch, rows, padded)
+        call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
+
+    def _checked_against_eager(
+        self,
+        call: _Call,
+        route: Route,
+        path: str,
+        sub_batch: SubBatch,
+        rows: torch.Tensor,
+        padded: bool,
+    ) -> torch.Tensor:
+        """A graph's first padded replay (and a compiled graph's first replay) against
+        eager on the same rows; on a mismatch the eager rows serve.
+
+        Padding adds rows the tower never saw eagerly: a tower whose rows interact
+        (a normalisation over the batch, a scale by the batch size) changes its real
+        rows' outputs, and its key runs eagerly from then on. A compiled graph that
+        differs drops compiling instead (inductor can miscompile a block for some sizes).
+        """
+        graph = route.graph
+        eager = self._eager(call, path, sub_batch)
+        self.stats.checked_replays += 1
+        self.stats.checked_tokens += route.tokens
+        error = replay_error(rows, eager)
+        if error is None:
+            return rows  # cannot be judged on this batch: checked at the next replay
+        if error <= verify_tolerance(eager.dtype):
+            graph.verified = True
+            graph.rows_checked = graph.rows_checked or padded
+            return rows
+        spec = graph.spec
+        where = f"path {path!r}, budget {spec.token_budget}"
+        if self.on_compiled_mismatch is not None:
+            self.on_compiled_mismatch(
+                f"the compiled graph of {where} differs from eager by relative error {error:.3e}"
+            )
+        else:
+            self.router.serve_eagerly(route.key)
+            self.stats.hits -= 1  # eager rows serve this sub-batch
+            self.stats.count_eager("rows_interact")
+            tower = type(getattr(self.encoder, "tower", self.encoder)).__name__
+            warnings.warn(
+                f"{tower}: the graph of {where} gave {route.tokens} real tokens of "
+                f"{len(sub_batch.indices)} items an output that differs from eager on the same "
+                f"items by relative error {error:.3e} once padded to the budget. The tower's "
+                "rows likely interact (a normalisation over the batch, a scale by the batch "
+                "size, attention across items): graph replay needs outputs of each item that "
+                "do not depend on the other rows. Or its graph forward reads a value fixed at "
+                "capture (a Python scalar, a host tensor). This key runs eagerly from now on.",
+                stacklevel=2,
+            )
+        return eager
+
+    def _eager(self, call: _Call, path: str, sub_batch: SubBatch) -> torch.Tensor:
+        rows = self._eager_forward(path, sub_batch.inputs, call.inference_mode)
+        expected = sum(sub_batch.tokens(path))
+        if rows.dim() == 0 or rows.shape[0] != expected:
+            items = len(sub_batch.indices)
+            raise RuntimeError(self._row_count_message(path, rows, expected, items))
+        return rows
+
+    def _row_count_message(self, path: str, rows: torch.Tensor, expected: int, items: int) -> str:
+        got = "a 0-dim tensor" if rows.dim() == 0 else f"{rows.shape[0]} rows {list(rows.shape)}"
+        return (
+            f"the tower behind {type(self.encoder).__name__} returned {got} on path {path!r} "
+            f"for {items} items whose item_specs promise {expected} rows. Graph replay "
+            "splits outputs by their first dimension: a tower must return its items' rows "
+            "along dim 0 (one row per batch row for a batch-first tower), as many as its "
+            "inputs' shapes alone determine. Run this tower without the callback, or "
+            "implement GraphableEncoder.item_specs to state its rows."
+        )
+
+    def _eager_forward(self, path: str, inputs: Any, inference_mode: bool = True) -> torch.Tensor:
+        """The path eagerly, in inference mode if asked and the caller is without
+        grad (it launches faster than plain no_grad), else in the caller's mode."""
+        # Never inference_mode(False): entering it turns grad mode on, so a caller
+        # in no_grad would build autograd graphs (host time, saved activations).
+        # Entering it again when it is on costs host time and changes nothing.
+        if inference_mode and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.encoder.eager_forward(path, inputs)
+        return self.encoder.eager_forward(path, inputs)
+
+
+def _padded(graph: CapturedGraph, tokens: int, items: int) -> bool:
+    """Whether ``tokens`` real tokens of ``items`` items leave padding in ``graph``."""
+    spec = graph.spec
+    return tokens < spec.token_budget or items < spec.max_items
+
+
+class _Call:
+    """What one call carries through its sub-batches: its graph set (None runs
+    everything eagerly), whether the caller was in inference mode, and the rows."""
+
+    __slots__ = ("graph_set", "inference_mode", "outputs")
+
+    def __init__(
+        self, graph_set: GraphSet | None, inference_mode: bool, outputs: CallOutputs
+    ) -> None:
+        self.graph_set = graph_set
+        self.inference_mode = inference_mode
+        self.outputs = outputs

@@ -1,0 +1,86 @@
+"""Time individual runs without making the GPU wait.
+
+On CUDA a run is bracketed by two events on the current stream; the elapsed
+time is read once the end event has completed (:meth:`CallTimer.collect`
+polls, it never synchronises unless asked to). On the CPU a clock is read
+around the run. Only the few runs the capture policy asks about are timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+Record = Callable[[float], None]
+
+
+@dataclass
+class Timing:
+    """Set by a timed body: whether its work ran on the GPU (events time it)."""
+
+    on_cuda: bool = False
+
+
+class CallTimer:
+    """Times runs and hands each duration in seconds to a callback once known."""
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, Record]] = deque()
+        # Asked once: without a GPU, torch asks NVML anew on every call (host time).
+        self._cuda = torch.cuda.is_available()
+
+    @contextlib.contextmanager
+    def timed(self, record: Record) -> Iterator[Timing]:
+        """Time the body, which sets ``timing.on_cuda`` when its work ran on the GPU;
+        ``record(seconds)`` is called now (CPU) or by a later :meth:`collect` (CUDA)."""
+        timing = Timing()
+        start = None
+        if self._cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        started = time.perf_counter()
+        yield timing
+        if start is None or not timing.on_cuda:
+            record(time.perf_counter() - started)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((start, end, record))
+
+    def collect(self, wait: bool = False) -> None:
+        """Hand over the durations of completed runs (of all, waiting for them, if ``wait``)."""
+        while self._pending:
+            start, end, record = self._pending[0]
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return
+            self._pending.popleft()
+            record(start.elapsed_time(end) / 1000.0)
+
+    def clear(self) -> None:
+        """Drop the runs not collected yet."""
+        self._pending.clear()
+
+
+def time_ms(run: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
+    """Mean milliseconds of ``run()`` on the current CUDA stream, timed by CUDA events.
+
+    Runs back to back, so what is timed is what limits a stream of them: the
+    GPU, or the CPU launching its kernels.
+    """
+    for _ in range(warmup):
+        run()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats

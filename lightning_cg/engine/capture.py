@@ -1,0 +1,378 @@
+"""Capture: record the graphs of given keys, and recover from what a capture can hit.
+
+:class:`GraphCapturer` records FULL graphs (the whole graph forward) and
+PIECEWISE pieces (the graph forward split at its attention ops) into the
+cache's one memory pool, largest budget first. What goes wrong is handled by
+kind (:mod:`lightning_cg.engine.faults`): out of memory drops the failing budget and
+the larger ones of its path and retries; a tower a graph cannot hold (a host
+sync, a CPU op) turns its path eager; a tower PIECEWISE cannot split falls
+back by ``piecewise_fallback``; any other error raises, or with
+``capture_errors="eager"`` turns every path eager. Each warns once with the
+cause and the fix. Under autocast a FULL graph is captured reading
+low-precision weight copies (:mod:`lightning_cg.engine.weight_casts`) when a warm-up
+with them agrees with one without.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from lightning_cg.core.dispatcher import GraphMode
+from lightning_cg.core.stats import GraphStats
+from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
+from lightning_cg.engine.config import GraphConfig
+from lightning_cg.engine.encoder import CaptureSpec, GraphableEncoder
+from lightning_cg.engine.faults import (
+    CAPTURE_FAILED,
+    OUT_OF_MEMORY,
+    CaptureFault,
+    capture_failed,
+    capturing,
+    diagnose,
+    free_device_memory,
+)
+from lightning_cg.engine.piecewise import PiecewiseSplit, PiecewiseUnsupported, split_graph_forward
+from lightning_cg.engine.piecewise_graph import PiecewiseGraph
+from lightning_cg.engine.plan import PathPlan
+from lightning_cg.engine.replay import graph_context
+from lightning_cg.engine.weight_casts import WeightCasts
+
+logger = logging.getLogger(__name__)
+ProgressFn = Callable[[int, int, CaptureSpec], None]
+#: The mode a path falls back to when its tower cannot be split, by fallback and mode.
+_FALLBACK_MODES = {
+    "eager": {
+        GraphMode.PIECEWISE: GraphMode.NONE,
+        GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL_UNIFORM_ONLY,
+    },
+    "full": {GraphMode.PIECEWISE: GraphMode.FULL, GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL},
+}
+#: Largest relative difference between warm-ups with and without the weight
+#: copies that still lets a graph read them: the casts are the same, so the
+#: outputs agree to the bit unless the tower uses a weight outside autocast.
+CAST_TOLERANCE = 1e-3
+
+
+class GraphCapturer:
+    """Captures keys into a :class:`GraphCache`, changing the plans a fault rules out.
+
+    Args:
+        encoder: the adapter whose graph forward is captured.
+        config: the graph configuration (``capture_errors``, ``piecewise_fallback``,
+            ``splitting_ops``).
+        plans: the path plans, changed in place by faults.
+        cache: where captured graphs go.
+        stats: counts graphs and capture seconds.
+        progress: called after each capture as ``progress(done, total, spec)``.
+        weight_casts: low-precision weight copies FULL graphs read under
+            autocast (None: every replay casts).
+    """
+
+    def __init__(
+        self,
+        encoder: GraphableEncoder,
+        config: GraphConfig,
+        plans: Mapping[str, PathPlan],
+        cache: GraphCache,
+        stats: GraphStats,
+        progress: ProgressFn | None = None,
+        weight_casts: WeightCasts | None = None,
+    ) -> None:
+        self.encoder = encoder
+        self.weight_casts = weight_casts
+        self._casts_disagree = False
+        # The dtypes whose copies a warm-up found to agree with autocast.
+        self._casts_agree: set[torch.dtype] = set()
+        self.config = config
+        self.plans = plans
+        self.cache = cache
+        self.stats = stats
+        self.progress = progress
+        #: The capture error that turned every path eager (``capture_errors="eager"``).
+        self.capture_error: str | None = None
+
+    def capture(self, keys: Sequence[GraphKey], max_items: int) -> float:
+        """Capture those of ``keys`` not captured yet; returns the seconds it took.
+
+        Keys a fault rules out (a dropped budget, an eager path) are skipped.
+
+        Raises:
+            PiecewiseUnsupported: a path cannot be split and ``piecewise_fallback``
+                is ``error``.
+            Exception: any other error of the capture with ``capture_errors="raise"``.
+        """
+        started = time.perf_counter()
+        reserved_before = _reserved_bytes()
+        stats = self.stats
+        graphs_before = self.cache.num_cuda_graphs
+        with graph_context():
+            self._capture_recovering(list(keys), max_items)
+        if self.cache.has_pool:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        stats.capture_seconds += seconds
+        stats.capture_seconds_run += seconds
+        stats.pool_bytes += max(0, _reserved_bytes() - reserved_before)
+        stats.graphs_captured += max(0, self.cache.num_cuda_graphs - graphs_before)
+        stats.graphs = self.cache.num_cuda_graphs
+        return seconds
+
+    def _capture_recovering(self, keys: list[GraphKey], max_items: int) -> None:
+        out_of_memory: dict[str, list[int]] = {}
+        paths = sorted({key.path for key in keys})
+        while True:
+            try:
+                failure = self._capture_keys(self._still_wanted(keys), max_items)
+            except PiecewiseUnsupported as error:
+                self._fall_back(paths, error)
+                keys = [key for key in keys if key.mode is not GraphMode.PIECEWISE]
+                continue
+            if failure is None:
+                break
+            # Out of the except clause: the error's frames, which hold the failed
+            # graph and its buffers, are gone before the memory is freed.
+            key, fault = failure
+            if fault.kind == CAPTURE_FAILED:
+                self.stop_capturing(fault)
+                free_device_memory()
+                break
+            if fault.kind == OUT_OF_MEMORY:
+                budget = key.descriptor.num_tokens
+                out_of_memory.setdefault(key.path, []).append(budget)
+                plan = self.plans[key.path]
+                plan.keep_budgets_below(budget)
+                # Graphs of every signature at the dropped budgets are of no use any more.
+                self.cache.drop([key.path], from_budget=0 if plan.eager_reason else budget)
+            else:
+                self._run_eagerly(key.path, fault)
+            free_device_memory()
+        for path, budgets in out_of_memory.items():
+            self._warn_out_of_memory(path, budgets)
+
+    def _still_wanted(self, keys: list[GraphKey]) -> list[GraphKey]:
+        """Keys not captured whose path still graphs their budget, largest first
+        (smaller graphs reuse the pool blocks of larger ones)."""
+        wanted = [
+            key
+            for key in keys
+            if key not in self.cache
+            and self.plans[key.path].eager_reason is None
+            and key.descriptor.num_tokens in self.plans[key.path].budgets
+        ]
+        return sorted(wanted, key=lambda key: -key.descriptor.num_tokens)
+
+    def _capture_keys(
+        self, keys: list[GraphKey], max_items: int
+    ) -> tuple[GraphKey, CaptureFault] | None:
+        """Capture ``keys`` in turn; the first that fails with a known fault, and the fault.
+
+        On a fault the keys this call captured are dropped again, so that their
+        memory is free for what is tried next.
+        """
+        captured: list[GraphKey] = []
+        for done, key in enumerate(keys, start=1):
+            spec = self.plans[key.path].capture_spec(
+                key.path, key.mode, key.descriptor, key.graph_set.signature, max_items
+            )
+            try:
+                graph = self._capture_one(key.mode, spec)
+            except Exception as error:
+                fault = diagnose(error)
+                if isinstance(error, PiecewiseUnsupported) and (
+                    fault is None or fault.kind != OUT_OF_MEMORY
+                ):
+                    raise  # piecewise_fallback decides
+                if fault is None:
+                    if self.config.capture_errors == "raise":
+                        raise
+                    fault = capture_failed(error)
+                self.cache.remove(captured)
+                return key, fault
+            self.cache.add(key, graph)
+            captured.append(key)
+            if self.progress is not None:
+                self.progress(done, len(keys), spec)
+        return None
+
+    def _capture_one(self, runtime_mode: GraphMode, spec: CaptureSpec) -> CapturedGraph:
+        buffers = self.cache.share_buffers(spec, self.encoder.capture_inputs(spec))
+        pool = self.cache.pool() if _on_cuda(buffers) else None
+        if runtime_mode is GraphMode.PIECEWISE:
+            pieces = PiecewiseGraph(self._split_tower(spec.path, buffers), buffers, pool)
+            return CapturedGraph(spec, buffers, run=pieces.run, pieces=pieces)
+        if pool is None:
+            run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
+            return CapturedGraph(spec, buffers, run=run)
+        cuda_graph, output = self._record(spec.path, buffers, pool)
+        return CapturedGraph(
+            spec, buffers, run=_replayer(cuda_graph, output), cuda_graph=cuda_graph, output=output
+        )
+
+    def _record(
+        self, path: str, buffers: dict[str, torch.Tensor], pool: object
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream so lazy initialisation (cuBLAS handles,
+        # autotuning) stays out of the graph.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            cast_dtype = self._warm_up(path, buffers)
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with (
+            self._casts_in(cast_dtype),
+            capturing(),
+            torch.cuda.graph(cuda_graph, pool=pool),
+        ):
+            output = self.encoder.graph_forward(path, buffers)
+        return cuda_graph, output
+
+    def _warm_up(self, path: str, buffers: dict[str, torch.Tensor]) -> torch.dtype | None:
+        """One warm-up forward, with the weight copies when they may serve; the
+        autocast dtype to capture with copies, or None.
+
+        The first capture with copies of a dtype runs a second forward without
+        them and keeps the copies only if the two agree; later captures trust
+        that (the same weights and ops, another budget) and warm up once.
+        """
+        dtype = self._cast_dtype()
+        if dtype is None:
+            self.encoder.graph_forward(path, buffers)
+            return None
+        if dtype in self._casts_agree:
+            with self._casts_in(dtype):
+                self.encoder.graph_forward(path, buffers)
+            return dtype
+        reference = self.encoder.graph_forward(path, buffers)
+        try:
+            with self._casts_in(dtype):
+                trial = self.encoder.graph_forward(path, buffers)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:  # e.g. a weight read outside autocast
+            return self._refuse_casts(f"the forward with them fails ({error})")
+        if not WeightCasts.agree(trial, reference, CAST_TOLERANCE):
+            return self._refuse_casts("the forward with them differs from autocast's")
+        self._casts_agree.add(dtype)
+        return dtype
+
+    def _refuse_casts(self, why: str) -> None:
+        # The copies stay: graphs captured before may read them.
+        self._casts_disagree = True
+        logger.info(
+            "%s: graphs cast weights on every replay, not once per run: %s",
+            type(self.encoder).__name__,
+            why,
+        )
+
+    def _cast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype weight copies would be made in, if they may serve."""
+        if self.weight_casts is None or self._casts_disagree:
+            return None
+        if not torch.is_autocast_enabled("cuda"):
+            return None
+        return torch.get_autocast_dtype("cuda")
+
+    def _casts_in(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+        if dtype is None or self.weight_casts is None:
+            return contextlib.nullcontext()
+        return self.weight_casts.swapped_in(dtype)
+
+    def _split_tower(self, path: str, buffers: dict[str, torch.Tensor]) -> PiecewiseSplit:
+        return split_graph_forward(
+            functools.partial(self.encoder.graph_forward, path),
+            buffers,
+            self.config.splitting_ops,
+            name=f"{type(self.encoder).__name__}.graph_forward on path {path!r}",
+        )
+
+    # ------------------------------------------------------------------ faults
+
+    def _fall_back(self, paths: Sequence[str], error: PiecewiseUnsupported) -> None:
+        """Give ``paths`` a mode without PIECEWISE keys, or raise ``error``."""
+        fallback = self.config.piecewise_fallback
+        if fallback == "error":
+            raise error
+        mode = _FALLBACK_MODES[fallback][self.config.mode]
+        warnings.warn(
+            f"{error}; paths {list(paths)} fall back to mode {mode.value!r} "
+            f"(piecewise_fallback={fallback!r})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        for path in paths:
+            plan = self.plans[path]
+            plan.dispatcher = plan.dispatcher.replace(mode=mode)
+        self.cache.drop(paths, mode=GraphMode.PIECEWISE)
+
+    def _run_eagerly(self, path: str, fault: CaptureFault) -> None:
+        self.plans[path].eager_reason = str(fault)
+        self.cache.drop([path])
+        warnings.warn(
+            f"EncoderGraphManager: capturing path {path!r} failed: {fault.cause} "
+            f"({fault.error}). Fix: {fault.fix}. Path {path!r} runs eagerly.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    def stop_capturing(self, fault: CaptureFault) -> None:
+        """Every path eager from now on, after an error no fallback is known for."""
+        self.capture_error = str(fault)
+        for plan in self.plans.values():
+            plan.eager_reason = self.capture_error
+        self.cache.drop(list(self.plans))
+        warnings.warn(
+            f"EncoderGraphManager: capturing graphs failed: {fault.error}; every path runs "
+            "eagerly from now on (capture_errors='eager').",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    def _warn_out_of_memory(self, path: str, budgets: list[int]) -> None:
+        plan = self.plans[path]
+        if plan.eager_reason is not None:
+            outcome = f"path {path!r} runs eagerly"
+        else:
+            outcome = (
+                f"path {path!r} keeps budgets {plan.budgets}: larger sub-batches are split "
+                f"and items above {plan.budgets[-1]} tokens run eagerly"
+            )
+        failed = ", then ".join(str(budget) for budget in budgets)
+        warnings.warn(
+            f"EncoderGraphManager: out of memory capturing path {path!r} at token budget "
+            f"{failed}; freed the graphs of that capture; {outcome}. To keep the larger "
+            "budgets, free device memory or lower max_budget / max_items_per_batch.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def path_keys(graph_set: GraphSet, path: str, plan: PathPlan) -> list[GraphKey]:
+    """Every key of ``path``'s dispatcher (its whole ladder) in ``graph_set``."""
+    return [
+        GraphKey(graph_set, path, runtime_mode, desc)
+        for runtime_mode, desc in plan.dispatcher.capture_descriptors()
+    ]
+
+
+def _replayer(cuda_graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def replay() -> torch.Tensor:
+        cuda_graph.replay()
+        return output
+
+    return replay
+
+
+def _on_cuda(buffers: Mapping[str, torch.Tensor]) -> bool:
+    return any(buffer.is_cuda for buffer in buffers.values())
+
+
+def _reserved_bytes() -> int:
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0

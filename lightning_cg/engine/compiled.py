@@ -1,0 +1,272 @@
+"""Compiled capture: the manager captures a torch.compile'd graph forward.
+
+Inductor fuses the tower's small ops into fewer, larger kernels; a CUDA graph
+captured over them replays fewer kernels than one over the eager forward. The
+adapter's ``compile_shapes`` says how: ``dynamic`` compiles once with symbolic
+sizes, so a packed tower's many budgets reuse the same code; ``static``
+compiles the first budget's shapes as they are (faster kernels, a shorter
+compile) and leaves a second budget to torch.compile's automatic dynamic
+shapes. The mode is the default: the manager does the graphing, so inductor's
+own cudagraphs (``reduce-overhead``) stay off. ``compile_scope`` says what is
+compiled: the tower's repeated blocks, once for all of them
+(:mod:`lightning_cg.engine.compile_regions`), or the whole graph forward.
+
+Compiling is the user's choice, made at construction (``compile=True``), as
+with ``torch.compile``: a failed compile raises. The manager compares each
+compiled graph's first replay with eager and gives compiling up
+(:meth:`CompiledEncoder.give_up`) when they differ: inductor has been seen to
+miscompile a tower's blocks at some sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_cg.core.dispatcher import GraphMode
+from lightning_cg.engine.compile_regions import (
+    CompiledBlocks,
+    blocks_to_compile,
+    specialized_floats,
+)
+from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder, ItemSpec
+
+if TYPE_CHECKING:  # config imports this module for check_compile
+    from lightning_cg.engine.config import GraphConfig
+
+#: Values of the ``compile`` option: off, or on from the first capture.
+COMPILE_CHOICES = (False, True)
+
+
+def check_compile(compile: bool, mode: GraphMode) -> bool:
+    """``compile`` if it is one of :data:`COMPILE_CHOICES` and ``mode`` can capture
+    a compiled graph forward.
+
+    Raises:
+        ValueError: another value, or ``compile=True`` with a mode that splits the
+            graph forward into pieces (PIECEWISE), which a compiled forward cannot be.
+    """
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be true or false; got compile={compile!r}")
+    if compile and mode.requires_piecewise():
+        raise ValueError(
+            "compile=True captures the whole compiled graph forward; mode "
+            f"{mode.value!r} splits it into pieces. Use compile=False, or a mode "
+            "without pieces: none, full, full_uniform_only"
+        )
+    return compile
+
+
+def compiled_encoder_for(
+    encoder: GraphableEncoder,
+    config: GraphConfig,
+    on_compile: Callable[[float], None],
+    on_give_up: Callable[[], None],
+) -> CompiledEncoder | None:
+    """The compiling wrapper ``config.compile`` asks for around ``encoder``:
+    compiling from the first graph forward for ``True``; None for ``False``.
+
+    Args:
+        encoder: the adapter.
+        config: the graph options (``compile``, ``compile_scope``, ``mode``).
+        on_compile: called with the seconds of each graph forward that may compile.
+        on_give_up: called once compiling is given up.
+    """
+    if config.compile is not True:
+        return None
+    return CompiledEncoder(
+        encoder, on_compile=on_compile, scope=config.compile_scope, on_give_up=on_give_up
+    )
+
+
+class CompiledEncoder:
+    """A :class:`~lightning_cg.engine.encoder.GraphableEncoder` whose graph forward is compiled.
+
+    Every method but :meth:`graph_forward` calls the wrapped encoder's, so the
+    eager path, the item specs and the buffers stay as they are. Compilation
+    happens at the first graph forward of each path (the manager's warm-up
+    before capture), and with static shapes also at the first graph forward of
+    a path's new buffer shapes; :attr:`compile_seconds` adds up those calls.
+
+    Args:
+        encoder: the adapter to wrap.
+        backend: the ``torch.compile`` backend; ``inductor`` generates the
+            fused kernels, ``eager`` / ``aot_eager`` (or a callable) only trace
+            (for tests).
+        on_compile: called with the seconds of each graph forward that may compile.
+        scope: a :data:`~lightning_cg.engine.compile_regions.COMPILE_SCOPES` value: what
+            is compiled, the tower's repeated blocks or the whole graph forward.
+        on_give_up: called once compiling is given up (:meth:`give_up`).
+
+    Example:
+        >>> manager = EncoderGraphManager(CompiledEncoder(PackedEncoderAdapter(tower)))
+        >>> # or: EncoderGraphManager(PackedEncoderAdapter(tower), compile=True)
+    """
+
+    def __init__(
+        self,
+        encoder: GraphableEncoder,
+        backend: str | Callable = "inductor",
+        on_compile: Callable[[float], None] | None = None,
+        scope: str = "auto",
+        on_give_up: Callable[[], None] | None = None,
+    ) -> None:
+        if not isinstance(encoder, GraphableEncoder):
+            raise TypeError(
+                "encoder must implement lightning_cg.engine.encoder.GraphableEncoder; "
+                f"got {type(encoder)!r}"
+            )
+        self.encoder = encoder
+        #: Whether a path's new buffer shapes compile (``compile_shapes="static"``).
+        self.static_shapes = encoder.graph_config().compile_shapes == "static"
+        compile_function = functools.partial(
+            torch.compile,
+            # None: torch.compile's automatic dynamic shapes, static until a size changes.
+            dynamic=None if self.static_shapes else True,
+            fullgraph=False,
+            mode=None,
+            backend=backend,
+        )
+        tower = getattr(encoder, "tower", None)
+        blocks = blocks_to_compile(tower, scope, dynamic_shapes=not self.static_shapes)
+        #: The compiled repeated blocks; None when the whole graph forward is compiled.
+        self.compiled_blocks = CompiledBlocks(blocks, compile_function) if blocks else None
+        self._compile_function = compile_function
+        #: Seconds of the graph forwards that may compile: compilation, mostly.
+        self.compile_seconds = 0.0
+        self.on_compile = on_compile
+        #: Whether graph forwards run compiled (until :meth:`give_up`).
+        self.started = True
+        self.on_give_up = on_give_up
+        #: Why compiling was given up (outputs that differ from eager), or None.
+        self.compile_error: str | None = None
+        # The adapter's answer to which graphs collect per-layer outputs (optional).
+        self._collects_layer_outputs: Callable[[str, Mapping[str, torch.Tensor]], bool] | None = (
+            getattr(encoder, "collects_layer_outputs", None)
+        )
+        self._compiled: set[Hashable] = set()
+
+    @functools.cached_property
+    def compiled_forward(self) -> Callable:
+        """The graph forward with its compiled part. Made at first use: the first
+        ``torch.compile`` imports dynamo (seconds), which a manager whose calls all
+        run eagerly should not pay."""
+        if self.compiled_blocks is None:
+            return self._forward_compiled_whole
+        return self._forward_with_compiled_blocks
+
+    # The protocol's methods are spelled out: isinstance checks of runtime
+    # protocols look them up statically (Python >= 3.12), past __getattr__.
+
+    def graph_config(self) -> EncoderGraphConfig:
+        return self.encoder.graph_config()
+
+    def token_budget_range(self, path: str) -> tuple[int, int]:
+        return self.encoder.token_budget_range(path)
+
+    def inputs_from_call(self, args: tuple, kwargs: dict) -> Any:
+        return self.encoder.inputs_from_call(args, kwargs)
+
+    def item_specs(self, inputs: Any) -> list[ItemSpec]:
+        return self.encoder.item_specs(inputs)
+
+    def select_items(self, inputs: Any, indices: Sequence[int]) -> Any:
+        return self.encoder.select_items(inputs, indices)
+
+    def graph_signature(self, inputs: Any) -> Hashable:
+        return self.encoder.graph_signature(inputs)
+
+    def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
+        return self.encoder.capture_inputs(spec)
+
+    def replay_inputs(self, path: str, inputs: Any) -> dict[str, torch.Tensor]:
+        return self.encoder.replay_inputs(path, inputs)
+
+    def eager_forward(self, path: str, inputs: Any) -> torch.Tensor:
+        return self.encoder.eager_forward(path, inputs)
+
+    def postprocess(self, outputs: list[dict[str, torch.Tensor]], inputs: Any) -> Any:
+        return self.encoder.postprocess(outputs, inputs)
+
+    def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The wrapped encoder's graph forward, compiled while :attr:`started` (but
+        see :meth:`_runs_uncompiled`)."""
+        if not self.started or self._runs_uncompiled(path, buffers):
+            return self.encoder.graph_forward(path, buffers)
+        compiled_for = self._compiled_for(path, buffers)
+        if compiled_for in self._compiled:
+            return self.compiled_forward(path, buffers)
+        began = time.perf_counter()
+        output = self.compiled_forward(path, buffers)
+        seconds = time.perf_counter() - began
+        self.compile_seconds += seconds
+        self._compiled.add(compiled_for)
+        if self.on_compile is not None:
+            self.on_compile(seconds)
+        return output
+
+    def give_up(self, reason: str) -> None:
+        """Stop compiling for good: warn with ``reason``; graph forwards are the
+        adapter's own from now on."""
+        self.compile_error = reason
+        self.started = False
+        warnings.warn(
+            f"compiling {type(self.encoder).__name__}'s graph forward was given up "
+            f"({reason[:300]}); graphs capture the uncompiled forward",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        if self.on_give_up is not None:
+            self.on_give_up()
+
+    def _runs_uncompiled(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the graph of ``buffers`` captures the adapter's own forward: one
+        whose call collects per-layer outputs in a Python list (transformers'
+        ``output_attentions``), with the blocks compiled. Dynamo guards the list's
+        length, so one compiled block would compile again for every block, up to
+        its recompile limit; the whole forward compiled at once does not."""
+        return (
+            self.compiled_blocks is not None
+            and self._collects_layer_outputs is not None
+            and self._collects_layer_outputs(path, buffers)
+        )
+
+    @functools.cached_property
+    def _compiled_whole(self) -> Callable:
+        """The adapter's whole graph forward, compiled (made at first use, as above)."""
+        return self._compile_function(self.encoder.graph_forward)
+
+    def _forward_compiled_whole(
+        self, path: str, buffers: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        with specialized_floats():
+            return self._compiled_whole(path, buffers)
+
+    def _forward_with_compiled_blocks(
+        self, path: str, buffers: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        with self.compiled_blocks.installed():
+            return self.encoder.graph_forward(path, buffers)
+
+    def _compiled_for(self, path: str, buffers: Mapping[str, torch.Tensor]) -> Hashable:
+        """What one compile serves: the path, and with static shapes its buffers' shapes.
+
+        With static shapes, the third and later shapes of a path reuse the
+        second's symbolic code; their first forward counts all the same (one
+        forward's time, where a compile takes seconds).
+        """
+        if not self.static_shapes:
+            return path
+        return path, tuple((name, tuple(tensor.shape)) for name, tensor in buffers.items())
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for what this class lacks: the adapter's own attributes
+        # (e.g. ``tower``).
+        if name == "encoder":
+            raise AttributeError(name)
+        return getattr(self.encoder, name)

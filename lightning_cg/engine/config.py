@@ -1,0 +1,342 @@
+"""The graph configuration: one validated, frozen object shared by every part.
+
+:class:`GraphConfig` holds every option of how a tower's graphs are planned,
+captured and dispatched, under the names the callback, the manager, the Hydra
+configs (``conf/cudagraph/``) and the benchmark all use. It is checked once,
+where it is built; the parts that receive it trust it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lightning_cg.core.budgets import AUTO_LADDER, LADDERS, is_finite_number
+from lightning_cg.core.dispatcher import GraphMode
+from lightning_cg.core.packing import PACKING_STRATEGIES
+from lightning_cg.engine.compile_regions import COMPILE_SCOPES
+from lightning_cg.engine.compiled import check_compile
+from lightning_cg.engine.piecewise import (
+    DEFAULT_SPLITTING_OPS,
+    check_piecewise_fallback,
+    check_splitting_ops,
+)
+
+#: What a capture error without a known fallback does (``capture_errors``).
+CAPTURE_ERRORS = ("raise", "eager")
+#: When a key is captured (``capture``): once its capture is expected to pay for
+#: itself, the first time a batch needs it, or a path's whole ladder at its first call.
+CAPTURE_POLICIES = ("paid_back", "first_use", "upfront")
+
+
+def _check_positive_int(name: str, value: Any, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        allowed = "a positive integer or None" if none_ok else "a positive integer"
+        raise ValueError(f"{name} must be {allowed}; got {name}={value!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {name}={value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false; got {name}={value!r}")
+
+
+def _check_number(name: str, value: Any, minimum: float) -> None:
+    if not is_finite_number(value) or not value >= minimum:
+        raise ValueError(f"{name} must be a finite number >= {minimum}; got {name}={value!r}")
+
+
+#: Options of a generated ladder, and the ladders that read each.
+_LADDER_OPTIONS = {
+    "ratio": ("geometric",),
+    "align": ("pow2", "geometric", AUTO_LADDER),
+    "k": (AUTO_LADDER,),
+    "auto_sample_batches": (AUTO_LADDER,),
+    "compiled_ratio": ("pow2", "geometric"),
+}
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """How one encoder path's token budgets are chosen.
+
+    Attributes:
+        min_budget: smallest budget; None takes the adapter's default.
+        max_budget: largest budget; None takes the adapter's default.
+        budgets: an explicit ladder; overrides min/max.
+        ladder: ``pow2`` (double from min), ``geometric`` (multiply by ratio) or
+            ``auto`` (learned from the item sizes of the first batches; see
+            :func:`~lightning_cg.core.learned_budgets.choose_budgets`).
+        ratio: growth of the geometric ladder.
+        align: geometric budgets are rounded up to a multiple of this, auto
+            budgets to a multiple of ``gcd(align, min_budget)``.
+        k: most budgets of an auto ladder.
+        auto_sample_batches: an auto ladder is learned from this many first
+            batches; the ones before the last run eagerly.
+        compiled_ratio: once graphs are captured from a compiled forward with
+            dynamic shapes (one compile serves every budget), a generated
+            ladder coarser than this (``pow2``, or ``geometric`` with a larger
+            ratio) becomes ``geometric`` with this ratio over the same range:
+            finer budgets then cost only their captures and pad less. None
+            keeps the ladder; explicit and ``auto`` ladders are always kept.
+    """
+
+    min_budget: int | None = None
+    max_budget: int | None = None
+    budgets: Sequence[int] | None = None
+    ladder: str = "pow2"
+    ratio: float = 1.25
+    align: int = 16
+    k: int = 12
+    auto_sample_batches: int = 1
+    compiled_ratio: float | None = 1.05
+
+    def __post_init__(self) -> None:
+        for name in ("min_budget", "max_budget"):
+            _check_positive_int(name, getattr(self, name), none_ok=True)
+        if None not in (self.min_budget, self.max_budget) and self.min_budget > self.max_budget:
+            raise ValueError(
+                f"min_budget must be <= max_budget; got min_budget={self.min_budget}, "
+                f"max_budget={self.max_budget}"
+            )
+        if self.budgets is not None:
+            if isinstance(self.budgets, str | bytes) or not isinstance(self.budgets, Sequence):
+                raise ValueError(
+                    f"budgets must be a list of positive integers; got budgets={self.budgets!r}"
+                )
+            if not self.budgets:
+                raise ValueError("budgets must be a non-empty list of positive integers; got []")
+            for budget in self.budgets:
+                _check_positive_int("budgets[]", budget)
+            object.__setattr__(self, "budgets", tuple(self.budgets))
+        _check_choice("ladder", self.ladder, (*LADDERS, AUTO_LADDER))
+        _check_number("ratio", self.ratio, 1.0)
+        if self.ratio == 1.0:
+            raise ValueError(f"ratio must be a finite number > 1; got ratio={self.ratio!r}")
+        for name in ("align", "k", "auto_sample_batches"):
+            _check_positive_int(name, getattr(self, name))
+        if self.compiled_ratio is not None and not (
+            is_finite_number(self.compiled_ratio) and self.compiled_ratio > 1
+        ):
+            raise ValueError(
+                "compiled_ratio must be a finite number > 1 or None; "
+                f"got compiled_ratio={self.compiled_ratio!r}"
+            )
+        if self.ladder == AUTO_LADDER and self.budgets is not None:
+            raise ValueError(
+                "budgets (an explicit ladder) and ladder='auto' exclude each other; "
+                f"got budgets={list(self.budgets)!r}"
+            )
+        self._check_options_apply()
+
+    def _check_options_apply(self) -> None:
+        """Refuse an option the chosen ladder would ignore (set away from its default)."""
+        explicit = self.budgets is not None
+        ladder = "budgets (an explicit ladder)" if explicit else f"ladder={self.ladder!r}"
+        for name, ladders in _LADDER_OPTIONS.items():
+            value = getattr(self, name)
+            applies = not explicit and self.ladder in ladders
+            if not applies and value is not None and value != _BUDGET_DEFAULTS[name]:
+                raise ValueError(
+                    f"{name}={value!r} applies only to ladder {' or '.join(map(repr, ladders))}, "
+                    f"so with {ladder} it would be ignored; drop it or choose such a ladder"
+                )
+        if not explicit:
+            return
+        if self.ladder != _BUDGET_DEFAULTS["ladder"]:
+            raise ValueError(
+                f"budgets (an explicit ladder) and ladder={self.ladder!r} exclude each other; "
+                f"got budgets={list(self.budgets)!r}"
+            )
+        for name, outside in (("min_budget", min), ("max_budget", max)):
+            bound = getattr(self, name)
+            if bound is not None and outside(self.budgets) != bound:
+                raise ValueError(
+                    f"{name}={bound} contradicts budgets={list(self.budgets)!r}: with an "
+                    f"explicit ladder, {name} may only repeat its {outside.__name__}imum; drop it"
+                )
+
+    @classmethod
+    def from_mapping(cls, field_name: str, choice: Mapping[str, Any] | None) -> BudgetConfig:
+        """A BudgetConfig from a mapping of its fields (a Hydra node, a dict).
+
+        Raises:
+            ValueError: ``choice`` is no mapping or has unknown keys; the message
+                names ``field_name`` and the allowed keys.
+        """
+        if isinstance(choice, BudgetConfig):
+            return choice
+        if choice is not None and not isinstance(choice, Mapping):
+            raise ValueError(
+                f"{field_name} must be a mapping of {', '.join(BUDGET_FIELDS)}; got {choice!r}"
+            )
+        choice = dict(choice or {})
+        unknown = sorted(set(choice) - set(BUDGET_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"{field_name} has unknown key(s) {unknown}; allowed: {', '.join(BUDGET_FIELDS)}"
+            )
+        if choice.get("budgets") is not None and not isinstance(choice["budgets"], str):
+            choice["budgets"] = list(choice["budgets"])
+        return cls(**choice)
+
+
+#: The keys of a budget choice (``budgets:`` and each entry of ``paths:``).
+BUDGET_FIELDS = tuple(f.name for f in fields(BudgetConfig))
+
+
+_BUDGET_DEFAULTS = {option.name: option.default for option in fields(BudgetConfig)}
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How a tower's graphs are planned, captured and dispatched.
+
+    Attributes:
+        mode: a :class:`~lightning_cg.core.dispatcher.GraphMode` (or its lower-case name).
+        budgets: budget choice of every path.
+        paths: per encoder path, a budget choice that replaces ``budgets``.
+        max_items_per_batch: most items in one sub-batch; None derives it from
+            the budgets, and an ``auto`` ladder then lowers it to the most items
+            a sampled sub-batch held (rounded up to a power of two).
+        max_frames_per_batch: attention sequences a graph holds; None is
+            ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
+        packing: ``next_fit`` or ``min_padding``.
+        uniform_item_counts: item counts of the exact uniform keys; None is a
+            power-of-two ladder up to ``max_items_per_batch``.
+        verify: compare the first replay of every graph with eager and raise
+            on a mismatch.
+        splitting_ops: ops PIECEWISE graphs split the tower at (``namespace::name``).
+        piecewise_fallback: ``error``, ``eager`` or ``full``: what a path whose
+            tower cannot be split does.
+        compile: ``true``: capture a ``torch.compile``'d graph forward from the
+            first capture (not with PIECEWISE modes); ``false`` (the default): never.
+        compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
+            repeated blocks, once for all of them, when they hold most of its
+            weights; else the whole graph forward), ``blocks`` or ``whole``
+            (:mod:`lightning_cg.engine.compile_regions`). Not with ``compile=false``.
+        capture_errors: ``raise`` a capture error without a known fallback, or
+            turn every path ``eager`` from then on.
+        capture: when a key is captured (:mod:`lightning_cg.core.capture_policy`):
+            ``paid_back`` once its capture is expected to pay for itself (the
+            calls known to come repay it, or the eager time spent on it reaches
+            its cost), ``first_use`` the first time a batch needs it,
+            ``upfront`` a path's whole ladder at the path's first call. A graph
+            measured slower than its key's eager runs goes back to eager
+            (``drop_slower_graphs``).
+        drop_slower_graphs: a key whose replays are measured slower than its
+            eager runs goes back to eager.
+        cast_weights_per_run: under autocast, FULL graphs read low-precision
+            copies of the tower's ``Linear`` and ``Conv`` weights, refreshed at
+            each run's start, instead of casting them on every replay
+            (:mod:`lightning_cg.engine.weight_casts`); false: every replay casts, and
+            reads weights changed in the middle of a run.
+    """
+
+    mode: GraphMode = GraphMode.FULL
+    budgets: BudgetConfig = field(default_factory=BudgetConfig)
+    paths: Mapping[str, BudgetConfig] = field(default_factory=dict)
+    max_items_per_batch: int | None = None
+    max_frames_per_batch: int | None = None
+    packing: str = "next_fit"
+    uniform_item_counts: tuple[int, ...] | None = None
+    verify: bool = False
+    splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
+    piecewise_fallback: str = "error"
+    compile: bool = False
+    compile_scope: str = "auto"
+    capture_errors: str = "raise"
+    capture: str = "paid_back"
+    drop_slower_graphs: bool = True
+    cast_weights_per_run: bool = True
+
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__
+        set_field(self, "mode", GraphMode.parse(self.mode))
+        if not isinstance(self.budgets, BudgetConfig):
+            raise ValueError(f"budgets must be a BudgetConfig; got budgets={self.budgets!r}")
+        if not isinstance(self.paths, Mapping) or not all(
+            isinstance(choice, BudgetConfig) for choice in self.paths.values()
+        ):
+            raise ValueError(f"paths must map path names to BudgetConfig; got paths={self.paths!r}")
+        set_field(self, "paths", dict(self.paths))
+        _check_positive_int("max_items_per_batch", self.max_items_per_batch, none_ok=True)
+        _check_positive_int("max_frames_per_batch", self.max_frames_per_batch, none_ok=True)
+        _check_choice("packing", self.packing, PACKING_STRATEGIES)
+        if self.uniform_item_counts is not None:
+            if isinstance(self.uniform_item_counts, str) or not self.uniform_item_counts:
+                raise ValueError(
+                    "uniform_item_counts must be a non-empty list of positive integers or "
+                    f"None; got uniform_item_counts={self.uniform_item_counts!r}"
+                )
+            for count in self.uniform_item_counts:
+                _check_positive_int("uniform_item_counts[]", count)
+            set_field(self, "uniform_item_counts", tuple(self.uniform_item_counts))
+        for name in ("verify", "drop_slower_graphs", "cast_weights_per_run"):
+            _check_bool(name, getattr(self, name))
+        set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
+        check_piecewise_fallback(self.piecewise_fallback)
+        check_compile(self.compile, self.mode)
+        _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
+        if self.compile_scope != "auto" and self.compile is False:
+            raise ValueError(
+                f"compile_scope={self.compile_scope!r} says what compile compiles; "
+                "compile is False. Set compile=True, or leave compile_scope at 'auto'"
+            )
+        _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
+        _check_choice("capture", self.capture, CAPTURE_POLICIES)
+
+    @classmethod
+    def from_options(
+        cls,
+        budgets: Mapping[str, Any] | BudgetConfig | None = None,
+        paths: Mapping[str, Mapping[str, Any] | BudgetConfig] | None = None,
+        splitting_ops: Sequence[str] | None = None,
+        **options: Any,
+    ) -> GraphConfig:
+        """A GraphConfig from plain values, as Hydra and keyword callers give them.
+
+        ``budgets`` and each entry of ``paths`` may be mappings of
+        :data:`BUDGET_FIELDS`; a path's entry overrides the keys of ``budgets``
+        it names. ``splitting_ops`` None takes the default ops.
+
+        Raises:
+            ValueError: an unknown option or a bad value, named with the allowed values.
+        """
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            allowed = ", ".join(f.name for f in fields(cls))
+            raise ValueError(f"unknown graph option(s) {unknown}; allowed: {allowed}")
+        base = BudgetConfig.from_mapping("budgets", budgets)
+        if paths is not None and not isinstance(paths, Mapping):
+            raise ValueError(f"paths must map path names to budget choices; got paths={paths!r}")
+        path_budgets = {
+            path: choice
+            if isinstance(choice, BudgetConfig)
+            else BudgetConfig.from_mapping(
+                f"paths.{path}", {**_as_mapping(budgets), **_as_mapping(choice, f"paths.{path}")}
+            )
+            for path, choice in (paths or {}).items()
+        }
+        if splitting_ops is not None:
+            options["splitting_ops"] = splitting_ops
+        return cls(budgets=base, paths=path_budgets, **options)
+
+
+def _as_mapping(choice: Any, field_name: str = "budgets") -> dict[str, Any]:
+    if choice is None:
+        return {}
+    if isinstance(choice, BudgetConfig):
+        return {f.name: getattr(choice, f.name) for f in fields(BudgetConfig)}
+    if not isinstance(choice, Mapping):
+        raise ValueError(
+            f"{field_name} must be a mapping of {', '.join(BUDGET_FIELDS)}; got {choice!r}"
+        )
+    return dict(choice)

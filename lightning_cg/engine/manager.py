@@ -1,0 +1,277 @@
+"""EncoderGraphManager: run a tower through graphs at token budgets, eager elsewhere.
+
+One manager wraps one :class:`~lightning_cg.engine.encoder.GraphableEncoder`. For every
+call it packs the items into sub-batches that fit the budgets, asks each path's
+:class:`~lightning_cg.core.dispatcher.CudagraphDispatcher` for the key of the
+sub-batch, and replays that key's graph or runs the path eagerly. The work is
+done by parts with one job each, which this façade wires together and whose
+lifecycle (runs, clearing, learning budgets) it keeps:
+
+- :class:`~lightning_cg.engine.config.GraphConfig`: the validated options;
+- :mod:`lightning_cg.engine.plan`: each path's budgets and dispatcher;
+- :class:`~lightning_cg.engine.cache.GraphCache`: what is captured, by named key;
+- :class:`~lightning_cg.core.capture_policy.CapturePolicy`: whether a key is worth
+  capturing now (on demand, once its replays are expected to repay it);
+- :class:`~lightning_cg.engine.capture.GraphCapturer`: capture and fault recovery;
+- :class:`~lightning_cg.engine.compiling.CompileLifecycle`: compiled capture
+  (``compile=True``): the compiling wrapper, the compiled plans, and the
+  uncompiled ones back when compiling is given up;
+- :class:`~lightning_cg.engine.call_runner.CallRunner`: one call, sub-batch by
+  sub-batch (routing by :class:`~lightning_cg.engine.routing.Router`, replay by
+  :mod:`lightning_cg.engine.replay`: fill, pad, replay, verify);
+- :class:`~lightning_cg.engine.auto_ladder.AutoLadder`: budgets learned from the first batches;
+- :class:`~lightning_cg.core.stats.GraphStats`: counters.
+
+Without CUDA the same path runs (static buffers, padding, graph forward or
+pieces, scatter) without capture. The manager knows nothing of Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_cg.core.capture_policy import CapturePolicy
+from lightning_cg.core.stats import GraphStats
+from lightning_cg.engine.auto_ladder import AutoLadder
+from lightning_cg.engine.cache import GraphCache, GraphSet
+from lightning_cg.engine.call_runner import CallRunner
+from lightning_cg.engine.capture import GraphCapturer, ProgressFn, path_keys
+from lightning_cg.engine.compiled import CompiledEncoder
+from lightning_cg.engine.compiling import CompileLifecycle
+from lightning_cg.engine.config import BudgetConfig, GraphConfig
+from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
+from lightning_cg.engine.plan import path_budget_choices, plan_paths
+from lightning_cg.engine.replay import autocast_key
+from lightning_cg.engine.weight_casts import WeightCasts, weight_casts_for
+
+__all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
+
+
+class EncoderGraphManager:
+    """Budget-batched CUDA graph execution of one graphable encoder.
+
+    Args:
+        encoder: the adapter around the tower.
+        config: the graph options (:class:`~lightning_cg.engine.config.GraphConfig`);
+            None builds one from ``options``.
+        progress: called after each capture as ``progress(done, total, spec)``.
+        **options: fields of :class:`~lightning_cg.engine.config.GraphConfig` (with
+            ``budgets`` and ``paths`` as mappings or BudgetConfigs), when
+            ``config`` is None.
+
+    Example:
+        >>> manager = EncoderGraphManager(PackedEncoderAdapter(tower), mode="full")
+        >>> tokens = manager.execute(manager.encoder.inputs_from_call((patches, grid), {}))
+    """
+
+    def __init__(
+        self,
+        encoder: GraphableEncoder,
+        config: GraphConfig | None = None,
+        progress: ProgressFn | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(encoder, GraphableEncoder):
+            raise TypeError(
+                "encoder must implement lightning_cg.engine.encoder.GraphableEncoder; "
+                f"got {type(encoder)!r}"
+            )
+        if config is not None and options:
+            raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
+        self.config = config if config is not None else GraphConfig.from_options(**options)
+        self.mode = self.config.mode
+        self.stats = GraphStats()
+        # Adapters that build their output from each path's rows in item order
+        # skip the per-item split and join (host time per item).
+        self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
+        # Built first: the parts below capture its encoder (the compiling wrapper).
+        self.compiling = CompileLifecycle(encoder, self.config, self.stats)
+        encoder = self.encoder = self.compiling.encoder
+        self.encoder_config = encoder.graph_config()
+        choices = path_budget_choices(self.encoder_config, self.config)
+        self.paths, max_items = plan_paths(encoder, self.config, choices)
+        self.cache = GraphCache()
+        weight_casts = weight_casts_for(encoder, self.config.cast_weights_per_run)
+        self.capturer = GraphCapturer(
+            encoder, self.config, self.paths, self.cache, self.stats, progress, weight_casts
+        )
+        self.policy = CapturePolicy(
+            first_use=self.config.capture in ("first_use", "upfront"),
+            drop_slower_graphs=self.config.drop_slower_graphs,
+        )
+        self.auto_ladder = AutoLadder(
+            choices,
+            self.paths,
+            max_items,
+            # The user's cap, frames or uniform counts fix the item cap.
+            learn_max_items=all(
+                given is None
+                for given in (
+                    self.config.max_items_per_batch,
+                    self.config.max_frames_per_batch,
+                    self.config.uniform_item_counts,
+                )
+            ),
+        )
+        self.runner = CallRunner(
+            encoder,
+            self.config,
+            self.paths,
+            self.cache,
+            self.capturer,
+            self.policy,
+            self.stats,
+            max_items,
+            self.encoder_config.padding_rules,
+        )
+        # Compiling changes these parts' plans as it starts and ends (compile=True: now).
+        self.compiling.connect(
+            self.paths, choices, self.capturer, self.policy, self.runner, self.clear
+        )
+
+    # ------------------------------------------------------------- public API
+
+    @property
+    def capture_error(self) -> str | None:
+        """The capture error that turned every path eager (``capture_errors="eager"``)."""
+        return self.capturer.capture_error
+
+    @property
+    def compiled_encoder(self) -> CompiledEncoder | None:
+        """The compiling wrapper of the adapter (None when nothing may compile)."""
+        return self.compiling.compiled_encoder
+
+    @property
+    def weight_casts(self) -> WeightCasts | None:
+        """The low-precision weight copies graphs are captured with (None: off,
+        or compiled graphs); the capturer's, refreshed at each run's start."""
+        return self.capturer.weight_casts
+
+    @property
+    def max_items(self) -> int:
+        """The most items of one sub-batch."""
+        return self.runner.router.max_items
+
+    @max_items.setter
+    def max_items(self, max_items: int) -> None:
+        self.runner.router.max_items = max_items
+
+    @property
+    def learned_budgets(self) -> dict[str, dict[str, Any]]:
+        """Per auto path: the learned ladder, its expected padding and sample size."""
+        return self.auto_ladder.learned
+
+    def begin_run(self, expected_calls: int | None = None, later_runs: int | None = None) -> None:
+        """Start a run: zero the run counters, tell the capture policy how many
+        calls to expect (None: unknown) and how many runs like it are known to
+        follow (a fit's validation runs still to come; None: unknown), which
+        bound what a capture can repay, and bring the weight
+        copies graphs read to the tower's current weights."""
+        self.stats.reset_run()
+        self.policy.begin_run(expected_calls, later_runs)
+        if self.weight_casts is not None:
+            # Graphs read the copies: bring them to the weights of this run.
+            self.weight_casts.refresh()
+
+    def reset_stats(self) -> None:
+        """Zero the run counters; graph count, pool size and capture totals stay."""
+        self.stats.reset_run()
+
+    def is_captured(self) -> bool:
+        """Whether any graph has been captured (or, without CUDA, prepared)."""
+        return len(self.cache) > 0
+
+    def clear(self) -> None:
+        """Drop every graph, buffer and the pool; keys are captured again when they pay.
+
+        What capture faults taught stays: budgets dropped for lack of memory are
+        not tried again, and paths that cannot be captured keep running eagerly.
+        """
+        self.cache.clear()
+        if self.weight_casts is not None:
+            self.weight_casts.clear()
+        self.runner.forget_graphs()
+        self.policy.forget_graphs()
+        self.stats.graphs = 0
+        self.stats.pool_bytes = 0
+
+    def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
+        """Learn the ladder of every ``auto`` path from a sample of batches.
+
+        The manager calls this itself on its first ``auto_sample_batches``
+        batches unless it was called before, e.g. with sizes a dataset gives
+        without reading pixels. Graphs captured before are dropped.
+
+        Args:
+            batches: per batch, per item, the tokens on each path, as
+                ``ItemSpec.path_tokens``, e.g. ``[[{"local": 256}, {"local": 1024}]]``.
+
+        Returns:
+            The learned ladder of each auto path (empty without one).
+        """
+        self.max_items = self.auto_ladder.learn(batches)
+        self.clear()
+        return self.auto_ladder.learned_ladders()
+
+    def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
+        """Capture every key of ``paths`` (default: all) for one adapter signature now,
+        whatever the capture policy says (e.g. to capture before a timed run)."""
+        graph_set = GraphSet(signature, autocast_key())
+        keys = [
+            key
+            for path in (paths or self.paths)
+            if self.paths[path].eager_reason is None
+            for key in path_keys(graph_set, path, self.paths[path])
+        ]
+        self.capturer.capture(keys, self.max_items)
+
+    # -------------------------------------------------------------- execution
+
+    def execute(self, inputs: Any) -> Any:
+        """Run the tower on ``inputs`` through graphs where they fit, eager elsewhere.
+
+        Returns the tower's own output format with items in their original order;
+        nothing returned aliases a graph buffer.
+        """
+        specs = self._counted_specs(inputs)
+        # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
+        if torch.is_grad_enabled() or self._sampling(specs):
+            outputs = self.runner.run_eagerly(inputs, specs)
+        else:
+            self.compiling.before_call()
+            outputs = self.runner.run(inputs, specs)  # inline: a short call path to the replay
+        joined = outputs.joined() if self._postprocess_joined is not None else None
+        if joined is not None:
+            return self._postprocess_joined(joined, inputs)
+        return self.encoder.postprocess(outputs.per_item(), inputs)
+
+    def execute_items(self, inputs: Any) -> list[dict[str, torch.Tensor]]:
+        """Like :meth:`execute`, but per item: ``{path: output rows}`` in input order.
+
+        Paths on which an item has no tokens are absent from its dict.
+        """
+        specs = self._counted_specs(inputs)
+        if torch.is_grad_enabled() or self._sampling(specs):
+            return self.runner.run_eagerly(inputs, specs).per_item()
+        self.compiling.before_call()
+        return self.runner.run(inputs, specs).per_item()
+
+    def _counted_specs(self, inputs: Any) -> list[ItemSpec]:
+        specs = self.encoder.item_specs(inputs)
+        self.stats.items += len(specs)
+        self.stats.tokens += sum(spec.output_tokens for spec in specs)
+        return specs
+
+    def _sampling(self, specs: list[ItemSpec]) -> bool:
+        """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
+        if not self.auto_ladder.sampling or not specs:
+            return False
+        max_items = self.auto_ladder.add_batch(specs)
+        if max_items is None:
+            return True
+        self.max_items = max_items
+        self.clear()
+        return False

@@ -1,0 +1,286 @@
+"""Data-parallel encoding: ranks that all hold the same batch share its items.
+
+For a model-parallel language model with a replicated vision tower, every rank
+receives the same batch. :func:`execute_data_parallel` lets each rank encode a
+share of its items through its own graphs (or eagerly) and all-gathers the rows,
+so every rank ends up with the whole batch's output, in item order:
+
+1. :func:`assign_items` gives items to ranks, largest input first to the
+   least-loaded rank. It is a pure function of the item specs, so every rank
+   computes the same assignment and every rank's row count without talking.
+2. Each rank runs ``manager.execute_items`` on its items and flattens their
+   rows item by item, path by path, into one ``(rows, *trailing)`` tensor.
+3. A header all_gather (``HEADER_SIZE`` int64 per rank) agrees on what ranks
+   cannot know beforehand: the rows' dtype and trailing shape (a rank without
+   items still has to allocate its share; under autocast the dtype is not the
+   input's, and a batch-first tower's output width is only known once it has
+   run). The header also carries a fingerprint of the batch's item specs and a
+   failure flag, so a rank that fails, or one that was given another batch,
+   makes every rank raise instead of leaving the others waiting in a collective.
+4. Each rank pads its rows to the largest rank's row count (an empty rank sends
+   zeros), one all_gather moves them, and the rows are unpadded, split per item
+   and path, put back in the original order and joined by ``encoder.postprocess``.
+
+Collectives run only after ``execute_items`` has returned, never inside a
+captured graph; the manager itself never communicates.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_cg.engine.encoder import ItemSpec
+from lightning_cg.engine.manager import EncoderGraphManager
+
+#: Most trailing dimensions of an output row the header can describe.
+MAX_TRAILING_DIMS = 6
+#: int64 entries of a rank's header: status, spec fingerprint, dtype, ndim, dims.
+HEADER_SIZE = 4 + MAX_TRAILING_DIMS
+#: Output dtypes the header can name, by index.
+GATHER_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+# Header status of a rank.
+_NO_ROWS, _ROWS, _FAILED = 0, 1, 2
+
+
+def assign_items(input_sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """Items per rank: largest input first, each to the least-loaded rank.
+
+    Ties go to the lower rank; items of equal size are taken in index order.
+    Each rank's indices are returned in ascending order.
+
+    Args:
+        input_sizes: input rows of each item (``ItemSpec.input_size``).
+        world_size: number of ranks.
+
+    Returns:
+        ``world_size`` lists of item indices; every index is in exactly one.
+
+    Example:
+        >>> assign_items([4, 1, 3, 2], world_size=2)
+        [[0, 1], [2, 3]]
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer; got {world_size!r}")
+    for index, size in enumerate(input_sizes):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"input_sizes[{index}] must be a non-negative integer; got {size!r}")
+    loads = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(input_sizes)), key=lambda i: (-input_sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[rank].append(index)
+        loads[rank] += input_sizes[index]
+    return [sorted(share) for share in shares]
+
+
+def execute_data_parallel(
+    manager: EncoderGraphManager,
+    inputs: Any,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> Any:
+    """Encode a batch that every rank of ``group`` holds, each rank a share of its items.
+
+    Every rank of ``group`` must call this with the same batch (checked by the
+    item specs' shapes, not the pixels), even a rank that gets no items.
+
+    Args:
+        manager: this rank's manager; its graphs (or eager runs) serve its items.
+        inputs: the adapter's inputs of the whole batch (``inputs_from_call``).
+        group: the process group; None is the default group.
+        device: where collectives run and the gathered rows live; None is the
+            current CUDA device under NCCL, else the CPU. Pass the tower's device.
+
+    Returns:
+        ``manager.encoder.postprocess`` of every item's rows, in input order,
+        the same on every rank. The rows carry no autograd history: with grad
+        enabled every rank runs the whole batch itself (``manager.execute``).
+
+    Raises:
+        RuntimeError: on every rank, when a rank failed to encode its share, the
+            ranks hold different batches, or their rows' dtype or shape differ.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("execute_data_parallel needs an initialised torch.distributed group")
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world_size == 1 or torch.is_grad_enabled():
+        return manager.execute(inputs)
+    encoder = manager.encoder
+    device = _default_device(group) if device is None else device
+    specs = encoder.item_specs(inputs)
+    paths = list(manager.paths)
+    shares = assign_items([spec.input_size for spec in specs], world_size)
+    error: Exception | None = None
+    rows = None
+    try:
+        rows = _local_rows(manager, inputs, shares[rank], specs, paths, device)
+    except Exception as exception:  # reported to every rank through the header
+        error = exception
+    headers = _gather_headers(_header(specs, rows, error, device), group)
+    trailing, dtype = _agree(headers, error)
+    outputs: list[dict[str, torch.Tensor]] = [{} for _ in specs]
+    if dtype is not None:
+        counts = [sum(_item_rows(specs[i], paths) for i in share) for share in shares]
+        gathered = _gather_rows(rows, max(counts), trailing, dtype, device, group)
+        for share, count, rank_rows in zip(shares, counts, gathered, strict=True):
+            _scatter(rank_rows[:count], share, specs, paths, outputs)
+    return encoder.postprocess(outputs, inputs)
+
+
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _item_rows(spec: ItemSpec, paths: Sequence[str]) -> int:
+    return sum(spec.path_tokens.get(path, 0) for path in paths)
+
+
+def _local_rows(
+    manager: EncoderGraphManager,
+    inputs: Any,
+    share: list[int],
+    specs: list[ItemSpec],
+    paths: list[str],
+    device: torch.device,
+) -> torch.Tensor | None:
+    """This rank's rows, item by item and path by path; None when it has none."""
+    if not share:
+        return None
+    outputs = manager.execute_items(manager.encoder.select_items(inputs, share))
+    parts = []
+    for index, item in zip(share, outputs, strict=True):
+        for path in paths:
+            tokens = specs[index].path_tokens.get(path, 0)
+            rows = item.get(path)
+            if tokens and (rows is None or rows.shape[0] != tokens):
+                got = "none" if rows is None else rows.shape[0]
+                raise RuntimeError(
+                    f"item {index} has {got} output rows on path {path!r}; "
+                    f"its ItemSpec promises {tokens}"
+                )
+            if tokens:
+                parts.append(rows)
+    if not parts:
+        return None
+    first = parts[0]
+    for rows in parts[1:]:
+        if rows.shape[1:] != first.shape[1:] or rows.dtype != first.dtype:
+            raise RuntimeError(
+                "every path's rows must share one dtype and trailing shape to be gathered; got "
+                f"{first.dtype} {tuple(first.shape[1:])} and {rows.dtype} {tuple(rows.shape[1:])}"
+            )
+    if first.dim() - 1 > MAX_TRAILING_DIMS or first.dtype not in GATHER_DTYPES:
+        raise RuntimeError(
+            f"rows of {first.dtype} with trailing shape {tuple(first.shape[1:])} cannot be "
+            f"gathered; allowed: at most {MAX_TRAILING_DIMS} trailing dims of "
+            f"{', '.join(str(dtype) for dtype in GATHER_DTYPES)}"
+        )
+    return torch.cat(parts).to(device)
+
+
+def _spec_fingerprint(specs: list[ItemSpec]) -> int:
+    text = repr([(s.input_size, sorted(s.path_tokens.items()), s.num_frames) for s in specs])
+    return zlib.crc32(text.encode())
+
+
+def _header(
+    specs: list[ItemSpec], rows: torch.Tensor | None, error: Exception | None, device: torch.device
+) -> torch.Tensor:
+    header = torch.full((HEADER_SIZE,), -1, dtype=torch.int64)
+    header[1] = _spec_fingerprint(specs)
+    if error is not None:
+        header[0] = _FAILED
+    elif rows is None:
+        header[0] = _NO_ROWS
+    else:
+        trailing = rows.shape[1:]
+        header[0] = _ROWS
+        header[2] = GATHER_DTYPES.index(rows.dtype)
+        header[3] = len(trailing)
+        header[4 : 4 + len(trailing)] = torch.tensor(trailing, dtype=torch.int64)
+    return header.to(device)
+
+
+def _gather_headers(header: torch.Tensor, group: dist.ProcessGroup | None) -> list[list[int]]:
+    headers = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(headers, header, group=group)
+    return [h.tolist() for h in headers]
+
+
+def _agree(
+    headers: list[list[int]], error: Exception | None
+) -> tuple[tuple[int, ...], torch.dtype | None]:
+    """The rows' trailing shape and dtype (None: no rank has rows); raises on every rank alike."""
+    if error is not None:
+        raise error
+    failed = [r for r, header in enumerate(headers) if header[0] == _FAILED]
+    if failed:
+        raise RuntimeError(
+            f"rank(s) {failed} failed to encode their share of the batch; see their error"
+        )
+    if len({header[1] for header in headers}) > 1:
+        raise RuntimeError(
+            "execute_data_parallel needs every rank to receive the same batch, but the item "
+            "specs differ across ranks. Under Lightning DDP pass "
+            "Trainer(use_distributed_sampler=False), or turn encoder_data_parallel off."
+        )
+    layouts = {
+        (header[2], tuple(header[4 : 4 + header[3]])) for header in headers if header[0] == _ROWS
+    }
+    if not layouts:
+        return (), None
+    if len(layouts) > 1:
+        described = sorted((str(GATHER_DTYPES[d]), shape) for d, shape in layouts)
+        raise RuntimeError(f"ranks' output rows differ in dtype or trailing shape: {described}")
+    [(dtype_index, trailing)] = layouts
+    return trailing, GATHER_DTYPES[dtype_index]
+
+
+def _gather_rows(
+    rows: torch.Tensor | None,
+    max_rows: int,
+    trailing: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> list[torch.Tensor]:
+    padded = torch.zeros((max_rows, *trailing), dtype=dtype, device=device)
+    if rows is not None:
+        padded[: rows.shape[0]] = rows
+    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, padded, group=group)
+    return gathered
+
+
+def _scatter(
+    rows: torch.Tensor,
+    share: list[int],
+    specs: list[ItemSpec],
+    paths: list[str],
+    outputs: list[dict[str, torch.Tensor]],
+) -> None:
+    """Split one rank's unpadded rows back into ``outputs[item][path]``."""
+    keys = [(index, path) for index in share for path in paths]
+    tokens = [specs[index].path_tokens.get(path, 0) for index, path in keys]
+    for (index, path), count, part in zip(keys, tokens, rows.split(tokens), strict=True):
+        if count:
+            outputs[index][path] = part

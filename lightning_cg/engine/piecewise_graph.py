@@ -1,0 +1,215 @@
+"""PiecewiseGraph: a split graph forward prepared on static buffers and run.
+
+The pieces of a :class:`~lightning_cg.engine.piecewise.PiecewiseSplit` are captured as
+CUDA graphs in the caller's memory pool; the splitting ops between them run
+eagerly at every replay, on the metadata the buffers hold at that time.
+
+Values that cross a stage boundary must sit at fixed addresses. A piece's
+outputs that only later pieces read stay in the pool, at the addresses the
+later captures baked in; once their last reader is captured the pool may reuse
+their memory, which is safe because pieces always replay in capture order.
+Values an eager stage reads or writes live in *slots*: tensors outside the
+pool, reused between stages whose values are never alive at the same time, so
+the memory of a split grows with the widest point of the tower, not its depth.
+
+Without CUDA the same stages run eagerly, slots included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from lightning_cg.engine.faults import capturing
+from lightning_cg.engine.piecewise import PiecewiseSplit, PiecewiseUnsupported, Stage
+
+
+class PiecewiseGraph:
+    """A split prepared on one set of static buffers: pieces captured, slots allocated.
+
+    Args:
+        split: from :func:`split_graph_forward` on these buffers (or buffers of
+            the same shapes).
+        buffers: the static buffers the caller fills before each :meth:`run`.
+        pool: a CUDA graph memory pool; None runs the pieces eagerly (no CUDA).
+
+    Build and run it where the graphs replay (grad mode, autocast).
+    """
+
+    def __init__(
+        self, split: PiecewiseSplit, buffers: Mapping[str, torch.Tensor], pool: Any = None
+    ) -> None:
+        self.split = split
+        #: Values every run reads at fixed addresses: buffers, slots, the output.
+        self._static: dict[fx.Node, Any] = {
+            node: buffers[name]
+            for node, name in zip(split.placeholders, split.input_names, strict=True)
+        }
+        self._slots: list[torch.Tensor] = []
+        self._steps: list[_PieceStep | _EagerStep] = []
+        self._slotted = {value for stage in split.stages if stage.eager for value in stage.inputs}
+        live = dict(self._static)
+        for index, stage in enumerate(split.stages):
+            args = [live[value] for value in stage.inputs]
+            prepare = self._prepare_eager if stage.eager else self._prepare_piece
+            live.update(zip(stage.outputs, prepare(stage, args, live, pool), strict=True))
+            for value in [value for value in live if split.last_use.get(value, math.inf) <= index]:
+                if value is not split.output:
+                    # Its last reader is captured: the pool may hand its memory to later pieces.
+                    del live[value]
+        self._static[split.output] = live[split.output]
+
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured (0 without CUDA)."""
+        return sum(isinstance(step, _PieceStep) and step.graph is not None for step in self._steps)
+
+    def run(self) -> torch.Tensor:
+        """Replay the pieces and run the splitting ops on the buffers' current values.
+
+        Returns:
+            The graph forward's output; a fixed tensor the next run overwrites.
+        """
+        values = dict(self._static)
+        for step in self._steps:
+            step(values)
+        return values[self.split.output]
+
+    def _prepare_eager(
+        self, stage: Stage, args: list[Any], live: dict[fx.Node, Any], pool: Any
+    ) -> list[torch.Tensor]:
+        outputs = stage.module(*args)
+        slots = self._slots_for(dict(enumerate(outputs)), live, stage)
+        for index, slot in slots.items():
+            slot.copy_(outputs[index])
+        step = _EagerStep(stage, [slots[index] for index in range(len(outputs))])
+        self._steps.append(step)
+        self._static.update(zip(stage.outputs, step.slots, strict=True))
+        return step.slots
+
+    def _prepare_piece(
+        self, stage: Stage, args: list[Any], live: dict[fx.Node, Any], pool: Any
+    ) -> list[Any]:
+        outputs = stage.module(*args) if pool is None else _warm_up(stage.module, args)
+        read_eagerly = {
+            i: out for i, out in enumerate(outputs) if stage.outputs[i] in self._slotted
+        }
+        step = _PieceStep(stage, self._slots_for(read_eagerly, live, stage))
+        if pool is None:
+            step.copy_to_slots(outputs)
+        else:
+            step.graph, outputs = _capture(lambda: step.call(*args), pool)
+            # Capture runs nothing: replay once so the next eager stage reads real values.
+            step.graph.replay()
+        self._steps.append(step)
+        self._static.update((stage.outputs[index], slot) for index, slot in step.slots.items())
+        return [step.slots.get(index, out) for index, out in enumerate(outputs)]
+
+    def _slots_for(
+        self, outputs: dict[int, Any], live: dict[fx.Node, Any], stage: Stage
+    ) -> dict[int, torch.Tensor]:
+        """A slot per output: a free one of its layout, else a new one.
+
+        A slot is free when no live value shares its storage.
+        """
+        busy = {
+            tensor.untyped_storage().data_ptr()
+            for tensor in tree_leaves(list(live.values()))
+            if isinstance(tensor, torch.Tensor)
+        }
+        slots = {}
+        for index, output in outputs.items():
+            if not isinstance(output, torch.Tensor):
+                raise PiecewiseUnsupported(
+                    f"{stage.outputs[index].name} crosses a split as a {type(output).__name__}; "
+                    "only tensors can pass between a graph piece and a splitting op"
+                )
+            slot = self._free_slot(output, busy)
+            if slot is None:
+                slot = self._new_slot(output)
+            busy.add(slot.untyped_storage().data_ptr())
+            slots[index] = slot
+        return slots
+
+    def _free_slot(self, template: torch.Tensor, busy: set[int]) -> torch.Tensor | None:
+        layout = _layout(template)
+        for slot in self._slots:
+            if _layout(slot) == layout and slot.untyped_storage().data_ptr() not in busy:
+                return slot
+        return None
+
+    def _new_slot(self, template: torch.Tensor) -> torch.Tensor:
+        slot = torch.empty_like(template)
+        self._slots.append(slot)
+        return slot
+
+
+class _PieceStep:
+    """Replays one graph piece; without a graph, runs it on the current values."""
+
+    def __init__(self, stage: Stage, slots: dict[int, torch.Tensor]) -> None:
+        self.stage = stage
+        self.slots = slots
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def call(self, *args: Any) -> Sequence[Any]:
+        """Run the piece and copy into the slots what eager stages read."""
+        outputs = self.stage.module(*args)
+        self.copy_to_slots(outputs)
+        return outputs
+
+    def copy_to_slots(self, outputs: Sequence[Any]) -> None:
+        for index, slot in self.slots.items():
+            slot.copy_(outputs[index])
+
+    def __call__(self, values: dict[fx.Node, Any]) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        outputs = self.call(*(values[value] for value in self.stage.inputs))
+        for index, (value, output) in enumerate(zip(self.stage.outputs, outputs, strict=True)):
+            if index not in self.slots:
+                values[value] = output
+
+
+class _EagerStep:
+    """Runs one splitting op on the values at fixed addresses; results go to slots."""
+
+    def __init__(self, stage: Stage, slots: list[torch.Tensor]) -> None:
+        self.stage = stage
+        self.slots = slots
+
+    def __call__(self, values: dict[fx.Node, Any]) -> None:
+        outputs = self.stage.module(*(values[value] for value in self.stage.inputs))
+        for slot, output in zip(self.slots, outputs, strict=True):
+            slot.copy_(output)
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    # The layout empty_like would give: what a slot for this tensor looks like.
+    meta = torch.empty_like(tensor, device="meta")
+    return tuple(meta.shape), meta.stride(), tensor.dtype, tensor.device
+
+
+def _warm_up(module: fx.GraphModule, args: list[Any]) -> Sequence[Any]:
+    # On a side stream, so lazy initialisation (cuBLAS handles, autotuning)
+    # stays out of the graph; the outputs tell the slots' layouts.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            outputs = module(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    return outputs
+
+
+def _capture(fn: Callable[[], Sequence[Any]], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    graph = torch.cuda.CUDAGraph()
+    with capturing(), torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs

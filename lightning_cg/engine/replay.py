@@ -1,0 +1,133 @@
+"""Replay: fill a graph's static buffers, pad them, replay, and check against eager.
+
+Every replay rewrites every input buffer (the real rows, then the key's
+padding rule; see :mod:`lightning_cg.engine.static_inputs`), so nothing of an earlier
+batch leaks into a later one, and clones the real rows of the output, so
+nothing returned aliases a graph buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from lightning_cg.core.stats import GraphStats
+from lightning_cg.engine.cache import CapturedGraph
+from lightning_cg.engine.encoder import GraphableEncoder
+
+#: Largest relative error ||replay - eager|| / ||eager|| that ``verify`` accepts.
+VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+#: fp32 tolerance while TF32 is on: cuBLAS/cuDNN pick other TF32 kernels for the
+#: padded batch, which differ from eager by about 1e-3.
+TF32_TOLERANCE = 5e-3
+
+
+def replay(
+    graph: CapturedGraph,
+    encoder: GraphableEncoder,
+    padding_rules: Mapping[str, str],
+    path: str,
+    inputs: Any,
+    total: int,
+    stats: GraphStats | None = None,
+) -> torch.Tensor:
+    """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real
+    rows (contiguous, whatever the graph's output layout).
+
+    With ``stats``, the launch's host seconds are added to ``stats.launch_seconds``.
+    """
+    graph.static_inputs.fill(encoder.replay_inputs(path, inputs), padding_rules, path)
+    launched = time.perf_counter()
+    if graph.output is not None:
+        graph.cuda_graph.replay()  # directly: one frame less on every replay
+        output = graph.output
+    else:
+        output = graph.run()
+    if stats is not None:
+        stats.launch_seconds += time.perf_counter() - launched
+    # Clone: the next replay overwrites the graph's output buffer. In the default
+    # layout: a graph of channels_last convolutions (its weight copies) ends in
+    # channels_last feature maps, where the tower's eager output is contiguous.
+    rows = output if output.shape[0] == total else output[:total]
+    return rows.clone(memory_format=torch.contiguous_format)
+
+
+def check_replay(
+    graph: CapturedGraph, path: str, replayed: torch.Tensor, reference: torch.Tensor
+) -> None:
+    """Raise if ``replayed`` differs from the eager ``reference`` beyond tolerance.
+
+    A non-finite value in the eager output is reported as such: the graph
+    cannot be judged on it.
+    """
+    spec = graph.spec
+    where = f"path {path!r}, budget {spec.token_budget}, max_items {spec.max_items}"
+    error = replay_error(replayed, reference)
+    if error is None:
+        raise RuntimeError(
+            f"verify: the eager output on {where} holds NaN or infinity, so the graph "
+            "cannot be compared with it; check the inputs (a NaN or inf in the batch) "
+            "or the tower's weights"
+        )
+    tolerance = verify_tolerance(reference.dtype)
+    if not error <= tolerance:
+        raise RuntimeError(
+            f"graph replay differs from eager on {where}: relative error {error:.3e} > "
+            f"{tolerance:.0e}. The tower reads something at capture time that changes "
+            "between calls (a Python scalar, a host tensor, a data-dependent shape)."
+        )
+    graph.verified = True
+
+
+def replay_error(replayed: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """:func:`relative_error` of a replay against the eager ``reference``, or None
+    when the reference holds NaN or infinity (the replay cannot be judged on it)."""
+    if not torch.isfinite(reference).all():
+        return None
+    return relative_error(replayed, reference)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (0 for two empty tensors)."""
+    actual, expected = actual.double(), expected.double()
+    denominator = expected.norm().item()
+    difference = (actual - expected).norm().item()
+    return difference / denominator if denominator else difference
+
+
+def verify_tolerance(dtype: torch.dtype) -> float:
+    """The relative error ``verify`` accepts for outputs of ``dtype``."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    if dtype == torch.float32 and tf32 and torch.cuda.is_available():
+        return TF32_TOLERANCE
+    return VERIFY_TOLERANCE.get(dtype, VERIFY_TOLERANCE[torch.float32])
+
+
+def autocast_key() -> tuple:
+    """The autocast state a graph is captured under: ``((device, dtype), ...)``."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cuda", "cpu")
+        if torch.is_autocast_enabled(device)
+    )
+
+
+@contextlib.contextmanager
+def graph_context() -> Iterator[None]:
+    """Where graphs are captured and replayed.
+
+    Outside inference mode, so static buffers are ordinary tensors that both
+    ``Trainer(inference_mode=True)`` and ``False`` may write; without grad; and,
+    under autocast, with its weight cache off: a cast cached before capture
+    would be freed while the graph still reads it.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.no_grad())
+        for device, dtype in autocast_key():
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
+        yield

@@ -1,0 +1,121 @@
+"""Weight casts made once per run instead of on every replay.
+
+Under autocast a ``Linear`` or ``Conv`` casts its float32 weight and bias to the
+autocast dtype on every call. Eager autocast caches those casts for one step;
+a graph captured under autocast records the cast kernels and replays them every
+time: for a ViT-B, one cast kernel per weight and bias on every replay, a
+sizeable share of a small batch's replay. :class:`WeightCasts` keeps low-precision copies of
+those weights; a graph is captured with the copies in the modules (autocast
+leaves a tensor of its dtype as it is, so nothing is cast), and
+:meth:`WeightCasts.refresh` copies the current values in at the start of each
+run. The values are those autocast would compute, so outputs do not change.
+Copies of 2-D convolution weights are channels_last, so the graph runs the
+convolutions in NHWC as torch.compile does, faster in low precision with the
+same output.
+
+Only modules whose own forward is ``nn.Linear``'s or ``nn.ConvNd``'s are
+served: their weights feed autocast's low-precision ops and nothing else. The
+capturer compares one warm-up with and one without the copies before it
+captures (see :meth:`WeightCasts.agree`), and falls back to casting on every
+replay for a tower where they differ. Weights changed in the middle of a run
+are seen from the next run on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_cg.engine.replay import relative_error
+
+#: The forwards of modules whose weight and bias feed only autocast's
+#: low-precision ops (subclasses that keep them are served too).
+_SERVED_FORWARDS = frozenset(kind.forward for kind in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+#: Autocast dtypes the copies are made in.
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Copy:
+    module: nn.Module
+    name: str
+    master: nn.Parameter
+    low: nn.Parameter
+
+
+def weight_casts_for(encoder: object, enabled: bool) -> WeightCasts | None:
+    """Weight copies for an adapter's ``tower``; None when off or it names no module."""
+    tower = getattr(encoder, "tower", None)
+    return WeightCasts(tower) if enabled and isinstance(tower, nn.Module) else None
+
+
+class WeightCasts:
+    """Low-precision copies of a tower's ``Linear`` and ``Conv`` weights, per autocast dtype.
+
+    Args:
+        tower: the module whose graphs are captured.
+
+    Example:
+        >>> casts = WeightCasts(tower)
+        >>> with casts.swapped_in(torch.bfloat16):
+        ...     graph = capture(tower)          # reads the bfloat16 copies
+        >>> casts.refresh()                     # at each run's start
+    """
+
+    def __init__(self, tower: nn.Module) -> None:
+        self._tower = tower
+        self._copies: dict[torch.dtype, list[_Copy]] = {}
+
+    @contextlib.contextmanager
+    def swapped_in(self, dtype: torch.dtype | None) -> Iterator[None]:
+        """The tower with its served weights as ``dtype`` copies; a no-op for
+        ``None`` or a dtype that needs no cast."""
+        copies = self._copies_for(dtype) if dtype in _LOW_PRECISION else []
+        for copy in copies:
+            copy.module._parameters[copy.name] = copy.low
+        try:
+            yield
+        finally:
+            for copy in copies:
+                copy.module._parameters[copy.name] = copy.master
+
+    def refresh(self) -> None:
+        """Copy the tower's current weights into every copy (cast as autocast would)."""
+        with torch.no_grad():
+            for copies in self._copies.values():
+                for copy in copies:
+                    copy.low.copy_(copy.master)
+
+    def clear(self) -> None:
+        """Drop every copy (the graphs that read them are gone)."""
+        self._copies.clear()
+
+    def _copies_for(self, dtype: torch.dtype) -> list[_Copy]:
+        if dtype not in self._copies:
+            self._copies[dtype] = list(self._make_copies(dtype))
+        return self._copies[dtype]
+
+    def _make_copies(self, dtype: torch.dtype) -> Iterator[_Copy]:
+        for module in self._tower.modules():
+            if type(module).forward not in _SERVED_FORWARDS:
+                continue
+            for name, master in module.named_parameters(recurse=False):
+                if master.dtype != torch.float32:
+                    continue
+                low = master.detach().to(dtype)
+                if low.dim() == 4:
+                    # A 2-D convolution's weight: channels_last makes cuDNN run the
+                    # convolution and what follows it in NHWC (see the module docstring).
+                    low = low.contiguous(memory_format=torch.channels_last)
+                yield _Copy(module, name, master, nn.Parameter(low, requires_grad=False))
+
+    @staticmethod
+    def agree(with_copies: torch.Tensor, without: torch.Tensor, tolerance: float) -> bool:
+        """Whether a warm-up with the copies gave what one without them did."""
+        if with_copies.shape != without.shape or with_copies.dtype != without.dtype:
+            return False
+        return relative_error(with_copies, without) <= tolerance

@@ -1,0 +1,133 @@
+"""``graphed``: a tower's forward through budget-batched graph replay, without Lightning.
+
+Example::
+
+    with torch.inference_mode(), graphed(tower, capture="first_use") as served:
+        for images in loader:
+            features = tower(images)
+    print(served.stats["hits"])
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from torch import nn
+
+from lightning_cg.adapters import adapter_for
+from lightning_cg.engine.config import GraphConfig
+from lightning_cg.engine.manager import EncoderGraphManager
+
+#: Set on the forward that ``graphed`` puts on a tower, to recognise it there.
+_MARK = "_lightning_cg_graphed"
+
+
+class GraphedTower:
+    """A tower's forward through an :class:`~lightning_cg.engine.manager.EncoderGraphManager`
+    while inside ``with``; what :func:`graphed` returns.
+
+    Each ``with`` builds its manager on entering; its graphs live as long as this
+    object (and its ``manager``) is referenced, not past it, and ``stats`` stays
+    readable after the block.
+
+    Attributes:
+        tower: the served tower.
+        manager: the manager of the last ``with`` (None before the first).
+    """
+
+    def __init__(
+        self, tower: nn.Module, adapter: Any, config: GraphConfig | None, options: dict
+    ) -> None:
+        self.tower = tower
+        self.manager: EncoderGraphManager | None = None
+        self._adapter = adapter
+        self._config = config
+        self._options = options
+        self._saved: dict[str, Any] | None = None
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The manager's counters (``hits``, ``items``, ...; see
+        :class:`~lightning_cg.core.stats.GraphStats`); empty before the first ``with``."""
+        return {} if self.manager is None else self.manager.stats.as_dict()
+
+    def __enter__(self) -> GraphedTower:
+        tower = self.tower
+        if getattr(tower.__dict__.get("forward"), _MARK, False):
+            # Two managers on one forward: the inner exit would put back the outer's
+            # patch, not the tower's forward, and each would capture its own graphs.
+            raise RuntimeError(
+                f"{type(tower).__name__} is already inside graphed(...): nest no second "
+                "graphed(...) on the same tower; use the outer one"
+            )
+        # Built before the forward changes: a bad adapter or option leaves the tower as it was.
+        manager = EncoderGraphManager(
+            adapter_for(tower, self._adapter), self._config, **self._options
+        )
+        manager.begin_run()
+
+        def graphed_forward(*args: Any, **kwargs: Any) -> Any:
+            # Grad-enabled calls run eagerly inside execute: graphs hold no autograd state.
+            return manager.execute(manager.encoder.inputs_from_call(args, kwargs))
+
+        setattr(graphed_forward, _MARK, True)
+        # An instance-level forward (another wrapper) is put back as it was.
+        self._saved = {"had": "forward" in tower.__dict__, "forward": tower.__dict__.get("forward")}
+        self.manager = manager
+        tower.forward = graphed_forward
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        # Runs for every exception, KeyboardInterrupt included; none is swallowed.
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        if saved["had"]:
+            self.tower.forward = saved["forward"]
+        else:
+            del self.tower.forward
+
+
+def graphed(
+    tower: nn.Module,
+    *,
+    adapter: Any = None,
+    config: GraphConfig | None = None,
+    **options: Any,
+) -> GraphedTower:
+    """Serve ``tower`` through budget-batched CUDA graph replay inside a ``with`` block.
+
+    On entering, an :class:`~lightning_cg.engine.manager.EncoderGraphManager` is built
+    around ``adapter_for(tower, adapter)`` and ``tower.forward`` is replaced by one
+    that runs every call through it: graphs where a budget fits, eager elsewhere,
+    the tower's own output format. On leaving, also by an exception or
+    KeyboardInterrupt, exactly the forward that was there before comes back.
+    Calls with gradients enabled run eagerly: wrap the loop in
+    ``torch.inference_mode()`` or ``torch.no_grad()``, and put the tower in eval
+    mode yourself. Without CUDA the same path runs without capture.
+
+    Args:
+        tower: the vision tower.
+        adapter: as :func:`~lightning_cg.adapters.adapter_for`: ``packed``,
+            ``batched``, ``hf``, a GraphableEncoder, a callable that builds one,
+            or None to choose by the tower's type.
+        config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
+        **options: :class:`~lightning_cg.engine.config.GraphConfig` fields instead
+            of ``config`` (``mode``, ``budgets``, ``capture``, ...).
+
+    Returns:
+        A :class:`GraphedTower`, the context manager; ``with`` yields it, with
+        ``.manager`` and ``.stats``.
+
+    Raises:
+        RuntimeError: on entering, when ``tower`` is already inside ``graphed``.
+        ValueError, TypeError: on entering, for a tower no adapter fits or a bad
+            option (as ``adapter_for`` and ``EncoderGraphManager`` raise them).
+    """
+    return GraphedTower(tower, adapter, config, options)

@@ -1,0 +1,126 @@
+"""Every option is declared once, in GraphConfig: the callback, the Hydra schema and
+the YAML follow from it; the callback takes the common ones by name and the rest
+as keywords or one ``config``."""
+
+import dataclasses
+import inspect
+
+import pytest
+from omegaconf import OmegaConf
+from test_app import CONF
+from torch import nn
+
+from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters.batched import BatchedEncoderAdapter
+from lightning_cg.app.schema import CALLBACK_SET, BudgetsSchema, CUDAGraphSchema
+from lightning_cg.callback.graph_callback import CUDAGraphCallback
+from lightning_cg.engine.config import BudgetConfig, GraphConfig
+
+#: The callback's arguments that are not GraphConfig fields.
+CALLBACK_OWN = ("module", "stages", "adapter", "encoder_data_parallel", "keep_graphs")
+
+
+def schema_defaults(schema: type) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(schema))
+
+
+def config_defaults(config: object) -> dict:
+    values = {}
+    for config_field in dataclasses.fields(config):
+        value = getattr(config, config_field.name)
+        if dataclasses.is_dataclass(value):
+            value = config_defaults(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        values[config_field.name] = getattr(value, "value", value)
+    return values
+
+
+def test_the_callback_takes_few_named_arguments():
+    parameters = inspect.signature(CUDAGraphCallback).parameters
+    named = [name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD]
+    assert len(named) <= 10
+    assert set(CALLBACK_OWN) <= set(named)
+    graph_fields = {f.name for f in dataclasses.fields(GraphConfig)}
+    assert set(named) - set(CALLBACK_OWN) - {"config"} <= graph_fields
+
+
+def test_the_schema_is_the_callbacks_own_arguments_and_every_graph_option():
+    graph_fields = [f.name for f in dataclasses.fields(GraphConfig) if f.name not in CALLBACK_SET]
+    schema_fields = [f.name for f in dataclasses.fields(CUDAGraphSchema)]
+    assert schema_fields == ["_target_", "_convert_", *CALLBACK_OWN, *graph_fields]
+    assert [f.name for f in dataclasses.fields(BudgetsSchema)] == [
+        f.name for f in dataclasses.fields(BudgetConfig)
+    ]
+
+
+def test_the_schema_defaults_are_the_configs():
+    defaults = schema_defaults(CUDAGraphSchema)
+    expected = config_defaults(GraphConfig())
+    for name in CALLBACK_SET:
+        expected.pop(name)
+    expected["splitting_ops"] = None  # the callback's None: the default ops
+    assert {name: defaults[name] for name in expected} == expected
+    callback = inspect.signature(CUDAGraphCallback).parameters
+    for name in ("module", "keep_graphs", "encoder_data_parallel", "adapter"):
+        assert defaults[name] == callback[name].default, name
+    assert defaults["stages"] == list(callback["stages"].default)
+
+
+def test_the_yaml_sets_only_declared_options_at_their_defaults():
+    node = OmegaConf.load(CONF / "cudagraph" / "full.yaml")
+    defaults = schema_defaults(CUDAGraphSchema)
+    keys = [key for key in node if key != "defaults"]
+    assert set(keys) <= set(defaults)
+    assert {key: OmegaConf.to_container(node)[key] for key in keys} == {
+        key: defaults[key] for key in keys
+    }
+    budgets = OmegaConf.to_container(OmegaConf.load(CONF / "cudagraph" / "budgets" / "pow2.yaml"))
+    assert budgets == {key: schema_defaults(BudgetsSchema)[key] for key in budgets}
+
+
+@pytest.mark.parametrize(
+    "name", [f.name for f in dataclasses.fields(GraphConfig) if f.name not in CALLBACK_SET]
+)
+def test_the_callback_takes_every_graph_option_by_keyword(name):
+    value = getattr(GraphConfig(), name)
+    callback = CUDAGraphCallback(**{name: value})
+    assert callback.config == GraphConfig(capture_errors="eager")
+
+
+def test_a_config_carries_every_graph_option_and_excludes_the_keywords():
+    config = GraphConfig(mode="none", verify=True, budgets=BudgetConfig(max_budget=64))
+    callback = CUDAGraphCallback(config=config)
+    assert callback.config == dataclasses.replace(config, capture_errors="eager")
+    with pytest.raises(ValueError, match=r"config holds every graph option; pass \['verify'\]"):
+        CUDAGraphCallback(config=config, verify=False)
+    with pytest.raises(ValueError, match="config must be a GraphConfig"):
+        CUDAGraphCallback(config={"mode": "none"})
+    with pytest.raises(ValueError, match="capture_errors is not a callback option"):
+        CUDAGraphCallback(capture_errors="raise")
+
+
+def test_an_unknown_option_names_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"unknown graph option\(s\) \['verfy'\]; allowed: mode"):
+        CUDAGraphCallback(verfy=True)
+
+
+class Doubler(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+def test_adapter_takes_a_name_an_adapter_or_a_factory():
+    tower = Doubler()
+    assert isinstance(adapter_for(tower, "batched"), BatchedEncoderAdapter)
+    built = adapter_for(tower, BatchedEncoderAdapter)
+    assert isinstance(built, BatchedEncoderAdapter) and built.tower is tower
+    assert adapter_for(tower, built) is built
+    with pytest.raises(TypeError, match="built a int, which does not implement GraphableEncoder"):
+        adapter_for(tower, lambda tower: 3)
+    for adapter in (BatchedEncoderAdapter, built, lambda tower: BatchedEncoderAdapter(tower)):
+        assert CUDAGraphCallback(adapter=adapter).adapter is adapter
+    with pytest.raises(ValueError, match="adapter must be one of packed, batched, hf, a Graph"):
+        CUDAGraphCallback(adapter=42)
+    with pytest.raises(ValueError, match="adapter must be one of"):
+        CUDAGraphCallback(adapter=Doubler())  # a module, not an adapter

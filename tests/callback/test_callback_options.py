@@ -1,0 +1,156 @@
+"""Each option of CUDAGraphCallback changes what a run does, seen through ``last_stats``,
+warnings, errors and outputs of a CPU Trainer (the budget path runs there without capture).
+
+The data: 12 synthetic images of 1 to 20 tokens in three batches of 4, 129 tokens in all.
+Options guarded elsewhere: ``stages`` and the sanity check in
+test_callback_stages.py, ``encoder_data_parallel`` in test_callback_ddp.py, and ``module``
+and ``adapter`` by the errors of test_callback.py.
+"""
+
+import functools
+import warnings
+
+import pytest
+import torch
+from test_callback import BUDGETS, datamodule, model, predictions, trainer
+
+from lightning_cg.adapters.packed import PackedEncoderAdapter
+from lightning_cg.callback.graph_callback import CUDAGraphCallback
+from lightning_cg.engine.piecewise import PiecewiseUnsupported
+
+SUB_BATCHES = 3  # one per batch of 4 items, unless an option splits them
+#: One budget: each sub-batch pads to it; with at most 4 items, few graphs to capture.
+ONE_BUDGET = {"budgets": [256]}
+FEW_GRAPHS = dict(budgets=ONE_BUDGET, max_items_per_batch=4)
+
+
+@pytest.fixture(scope="module")
+def eager() -> torch.Tensor:
+    return predictions()
+
+
+def graphed_stats(eager: torch.Tensor, **options) -> dict[str, float]:
+    """``last_stats`` of a predict run with these options; its outputs must equal eager."""
+    callback = CUDAGraphCallback(**options, capture="first_use")
+    torch.testing.assert_close(predictions(callback), eager, rtol=1e-5, atol=1e-6)
+    return callback.last_stats
+
+
+def served(stats: dict[str, float]) -> tuple[float, float, float]:
+    return stats["hits"], stats["piecewise_hits"], stats["misses"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("none", (0, 0, SUB_BATCHES)),
+        ("full", (SUB_BATCHES, 0, 0)),
+        ("full_uniform_only", (0, 0, SUB_BATCHES)),  # images of mixed sizes
+        ("piecewise", (SUB_BATCHES, SUB_BATCHES, 0)),
+    ],
+)
+def test_mode_decides_how_sub_batches_run(eager, mode, expected):
+    assert served(graphed_stats(eager, mode=mode, **FEW_GRAPHS)) == expected
+
+
+def test_budgets_set_the_ladder_sub_batches_pad_to(eager):
+    stats = graphed_stats(eager, budgets=ONE_BUDGET)
+    assert stats["real_tokens"] + stats["padded_tokens"] == SUB_BATCHES * 256
+
+
+def test_paths_override_the_budgets_of_their_path(eager):
+    stats = graphed_stats(eager, budgets=ONE_BUDGET, paths={"local": {"budgets": [128]}})
+    assert stats["real_tokens"] + stats["padded_tokens"] == SUB_BATCHES * 128
+
+
+def test_max_items_per_batch_splits_batches(eager):
+    stats = graphed_stats(eager, budgets=BUDGETS, max_items_per_batch=1)
+    assert stats["sub_batches"] == stats["hits"] == 12
+
+
+def test_max_frames_per_batch_sends_sub_batches_of_more_frames_to_eager(eager):
+    # Four one-frame images need four attention sequences; the graphs hold one.
+    stats = graphed_stats(eager, budgets=BUDGETS, max_frames_per_batch=1)
+    assert served(stats) == (0, 0, SUB_BATCHES)
+
+
+def test_min_padding_packing_pads_less_than_next_fit(eager):
+    next_fit = graphed_stats(eager, budgets=BUDGETS, packing="next_fit")
+    min_padding = graphed_stats(eager, budgets=BUDGETS, packing="min_padding")
+    assert min_padding["padded_tokens"] < next_fit["padded_tokens"]
+    assert min_padding["real_tokens"] == next_fit["real_tokens"]
+
+
+@pytest.mark.parametrize("keep_graphs", [True, False])
+def test_keep_graphs_decides_whether_the_next_run_captures_again(keep_graphs):
+    callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=keep_graphs, capture="first_use")
+    net, run = model(), trainer(callback)
+    capture_seconds = []
+    for _ in range(2):
+        run.predict(net, datamodule())
+        capture_seconds.append(callback.last_stats["capture_seconds"])
+        assert callback.manager.is_captured() == keep_graphs
+    # Capture time adds up over runs: it grows only when the second run captures again.
+    first, second = capture_seconds
+    assert first > 0 and (second == first) == keep_graphs
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_verify_catches_a_graph_forward_that_differs_from_eager(eager, monkeypatch, verify):
+    graph_forward = PackedEncoderAdapter.graph_forward
+
+    def doubled(self, path, buffers):
+        return 2 * graph_forward(self, path, buffers)
+
+    monkeypatch.setattr(PackedEncoderAdapter, "graph_forward", doubled)
+    callback = CUDAGraphCallback(budgets=BUDGETS, verify=verify, capture="first_use")
+    if verify:
+        with pytest.raises(RuntimeError, match="graph replay differs from eager"):
+            predictions(callback)
+        return
+    # Without verify, the first padded replay of each graph is checked against eager:
+    # the graph's key runs eagerly from then on, with a warning.
+    with pytest.warns(UserWarning, match="differs from eager on the same items"):
+        predictions(callback)
+    assert callback.last_stats["eager_rows_interact"] > 0
+
+
+@pytest.mark.parametrize(
+    ("piecewise_fallback", "expected"),
+    [("eager", (0, 0, SUB_BATCHES)), ("full", (SUB_BATCHES, 0, 0))],
+)
+def test_splitting_ops_absent_from_the_tower_take_the_piecewise_fallback(
+    eager, piecewise_fallback, expected
+):
+    with pytest.warns(RuntimeWarning, match="max_pool2d.*fall back"):
+        stats = graphed_stats(
+            eager,
+            mode="piecewise",
+            **FEW_GRAPHS,
+            splitting_ops=["aten::max_pool2d"],
+            piecewise_fallback=piecewise_fallback,
+        )
+    assert served(stats) == expected
+
+
+def test_splitting_ops_absent_from_the_tower_fail_without_a_fallback():
+    callback = CUDAGraphCallback(
+        mode="piecewise", **FEW_GRAPHS, splitting_ops=["aten::max_pool2d"], capture="first_use"
+    )
+    with pytest.raises(PiecewiseUnsupported, match="max_pool2d"):
+        predictions(callback)
+
+
+def test_compile_replays_a_compiled_graph_forward(eager, monkeypatch):
+    # Dynamo's eager backend traces without generating code: fast on any CPU.
+    monkeypatch.setattr(
+        torch, "compile", functools.partial(_compile_with_eager_backend, torch.compile)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's notes on the tower
+        stats = graphed_stats(eager, **FEW_GRAPHS, compile=True)
+    assert stats["compile_seconds"] > 0 and stats["hits"] == SUB_BATCHES
+
+
+def _compile_with_eager_backend(compile_, function, **options):
+    return compile_(function, **{**options, "backend": "eager"})

@@ -1,0 +1,25 @@
+"""The callback's one-line run report."""
+
+import lightning.pytorch as pl
+import pytest
+
+import lightning_cg.callback.report as callback_report
+from lightning_cg.core.stats import GraphStats
+
+
+def report(monkeypatch, **counters) -> str:
+    # Lightning's logger does not propagate to the root logger: read the line itself.
+    lines = []
+    monkeypatch.setattr(callback_report, "rank_zero_info", lines.append)
+    stats = GraphStats(hits=90, misses=10, graphs=3, graphs_captured=3, **counters)
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu")
+    callback_report.report_run(trainer, stats.as_dict(), "predict", on_cuda=True)
+    (line,) = lines
+    return line
+
+
+@pytest.mark.parametrize("compiled", [0.0, 5.25])
+def test_a_run_that_compiled_says_what_compiling_cost(monkeypatch, compiled):
+    line = report(monkeypatch, capture_seconds_run=6.5, compile_seconds_run=compiled)
+    assert "90 graph replays" in line and "3 graphs captured in 6.50 s" in line
+    assert ("5.25 s of it compiling the graph forward" in line) == bool(compiled)

@@ -1,0 +1,160 @@
+"""CUDAGraphCallback() without ``module`` finds the one vision tower of the LightningModule."""
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision.models import resnet18
+
+from examples.models.lit import build_tower
+from lightning_cg.callback.checks import find_tower
+from lightning_cg.callback.graph_callback import CUDAGraphCallback
+
+TINY_PACKED = dict(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
+
+
+class Holder(LightningModule):
+    """A LightningModule holding ``modules`` as its children, and a head that is no tower."""
+
+    def __init__(self, **modules: nn.Module) -> None:
+        super().__init__()
+        for name, module in modules.items():
+            setattr(self, name, module)
+        self.head = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))
+
+
+def trainer(*callbacks) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=list(callbacks),
+    )
+
+
+def found_by_setup(model: LightningModule) -> tuple[str, nn.Module]:
+    """The path the callback remembers at setup, and the tower it serves."""
+    callback = CUDAGraphCallback()
+    assert callback.module is None
+    callback.setup(trainer(callback), model, "predict")
+    return callback.module, callback._tower
+
+
+def test_a_timm_model_is_one_tower_not_its_blocks():
+    timm = pytest.importorskip("timm")
+    backbone = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=4
+    )
+    model = Holder(backbone=backbone)
+    assert found_by_setup(model) == ("backbone", backbone)
+
+
+class FakeTimmBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+class FakeTimmNet(nn.Module):
+    """Typed like a timm model (by module name), with timm-typed blocks inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.blocks = nn.Sequential(FakeTimmBlock(), FakeTimmBlock())
+
+    def forward(self, x):
+        return self.blocks(self.stem(x)).mean(dim=(2, 3))
+
+
+FakeTimmBlock.__module__ = FakeTimmNet.__module__ = "timm.models.fake"
+
+
+def test_a_timm_typed_stand_in_is_found_at_its_path_and_its_blocks_are_not_towers():
+    net = FakeTimmNet()
+    model = Holder(encoder=nn.ModuleDict({"net": net}))
+    assert found_by_setup(model) == ("encoder.net", net)
+
+
+def tiny_clip():
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.CLIPConfig(
+        text_config=dict(
+            common, vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=1
+        ),
+        vision_config=dict(common, image_size=32, patch_size=8),
+        projection_dim=8,
+    )
+    return transformers.CLIPModel(config)
+
+
+def test_the_vision_model_of_a_clip_model_is_the_tower():
+    clip = tiny_clip()
+    model = Holder(clip=clip)
+    # CLIPModel takes pixel_values but also input_ids; its text model takes no images.
+    assert found_by_setup(model) == ("clip.vision_model", clip.vision_model)
+
+
+def test_two_towers_are_refused_listing_both_paths():
+    model = Holder(
+        images=resnet18(num_classes=4), videos=build_tower("packed_vit_small", **TINY_PACKED)
+    )
+    callback = CUDAGraphCallback()
+    with pytest.raises(ValueError, match="found 2 vision towers") as refused:
+        callback.setup(trainer(callback), model, "predict")
+    message = str(refused.value)
+    assert "'images' (ResNet)" in message and "'videos' (PackedViT)" in message
+    assert "module=" in message
+    assert callback.manager is None and callback.module is None
+
+
+def test_no_tower_is_refused_saying_how_to_name_one():
+    model = Holder(body=nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    callback = CUDAGraphCallback()
+    with pytest.raises(ValueError, match="found no vision tower in Holder") as refused:
+        callback.setup(trainer(callback), model, "predict")
+    assert "module='<dotted path>'" in str(refused.value)
+    assert "body, head" in str(refused.value)
+    assert callback.manager is None
+
+
+def test_a_compiled_tower_is_found_as_its_wrapper():
+    tower = resnet18(num_classes=4)
+    compiled = torch.compile(tower)
+    # The wrapper is the tower: the callback then leaves a compiled tower alone.
+    assert find_tower(Holder(vision=compiled)) == ("vision", compiled)
+
+
+class Classifier(LightningModule):
+    """A resnet at a path no default would name, called by predict_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleDict({"backbone": resnet18(num_classes=8)})
+        self.head = nn.Linear(8, 3)
+
+    def predict_step(self, batch, batch_idx):
+        return self.head(self.encoder["backbone"](batch))
+
+
+def test_predict_through_the_found_tower_equals_eager():
+    torch.manual_seed(0)
+    model = Classifier().eval()
+    images = DataLoader(torch.randn(6, 3, 16, 16), batch_size=3)
+    callback = CUDAGraphCallback(capture="first_use")
+
+    graphed = torch.cat(trainer(callback).predict(model, images))
+    eager = torch.cat(trainer().predict(model, images))
+
+    assert callback.module == "encoder.backbone"
+    assert callback._tower is model.encoder["backbone"]
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    assert callback.last_stats["items"] == 6 and callback.last_stats["hits"] > 0
+    assert "forward" not in model.encoder["backbone"].__dict__

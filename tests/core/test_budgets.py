@@ -1,0 +1,341 @@
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_cg.core.budgets import generate_budgets, resolve_budgets, smallest_fitting_budget
+from lightning_cg.core.learned_budgets import (
+    choose_budgets,
+    expected_padding,
+    learn_budgets,
+    sub_batch_sums,
+)
+from lightning_cg.core.packing import pack_items
+
+
+@pytest.mark.parametrize(
+    ("min_budget", "max_budget", "expected"),
+    [
+        (64, 1024, [64, 128, 256, 512, 1024]),
+        (64, 1000, [64, 128, 256, 512, 1000]),
+        (64, 64, [64]),
+        (64, 100, [64, 100]),
+        (1, 5, [1, 2, 4, 5]),
+    ],
+)
+def test_pow2_ladder(min_budget, max_budget, expected):
+    assert generate_budgets(min_budget, max_budget) == expected
+
+
+def test_geometric_ladder_by_hand():
+    # 64 * 1.25 = 80; 80 * 1.25 = 100 -> 112; 112 * 1.25 = 140 -> 144; then max.
+    assert generate_budgets(64, 150, "geometric", ratio=1.25, align=16) == [64, 80, 112, 144, 150]
+
+
+def test_geometric_ladder_ignores_float_noise():
+    # 100 * 1.1 is 110.00000000000001 in floating point; the rung is still 110.
+    assert generate_budgets(100, 120, "geometric", ratio=1.1, align=1) == [100, 110, 120]
+
+
+def test_a_ratio_past_the_range_gives_its_two_ends():
+    # 64 * 1e308 overflows to inf: the ladder must not round it.
+    assert generate_budgets(64, 1024, "geometric", ratio=1e308, align=16) == [64, 1024]
+
+
+@pytest.mark.parametrize("ratio", [float("inf"), float("nan")])
+def test_a_ratio_that_is_not_finite_is_refused(ratio):
+    with pytest.raises(ValueError, match=r"ratio must be a finite number > 1"):
+        generate_budgets(64, 1024, "geometric", ratio=ratio, align=16)
+
+
+@given(
+    min_budget=st.integers(1, 2000),
+    span=st.integers(0, 20000),
+    ratio=st.floats(1.01, 3.0),
+    align=st.integers(1, 64),
+)
+def test_geometric_ladder_properties(min_budget, span, ratio, align):
+    max_budget = min_budget + span
+    budgets = generate_budgets(min_budget, max_budget, "geometric", ratio=ratio, align=align)
+    assert budgets[0] == min_budget
+    assert budgets[-1] == max_budget
+    assert all(a < b for a, b in zip(budgets, budgets[1:], strict=False))
+    assert all(budget % align == 0 for budget in budgets[1:-1])
+    # Each rung grows by at least the ratio, and by no more than one alignment
+    # step past it; only the max may come sooner.
+    for smaller, larger in zip(budgets[:-2], budgets[1:-1], strict=True):
+        assert larger >= smaller * ratio - 1e-6
+        assert larger <= smaller * ratio + align + 1
+
+
+@given(min_budget=st.integers(1, 5000), span=st.integers(0, 50000))
+def test_pow2_ladder_properties(min_budget, span):
+    max_budget = min_budget + span
+    budgets = generate_budgets(min_budget, max_budget)
+    assert budgets[0] == min_budget
+    assert budgets[-1] == max_budget
+    on_ladder = budgets[-1] == min_budget * 2 ** (len(budgets) - 1)
+    doublings = budgets if on_ladder else budgets[:-1]
+    assert doublings == [min_budget * 2**k for k in range(len(doublings))]
+    # The doublings stop only when the next one would pass the max.
+    assert doublings[-1] * 2 > max_budget
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"min_budget": 0, "max_budget": 64}, "min_budget"),
+        ({"min_budget": 128, "max_budget": 64}, "min_budget"),
+        ({"min_budget": 16, "max_budget": -1}, "max_budget"),
+        ({"min_budget": 16.0, "max_budget": 64}, "min_budget"),
+        ({"min_budget": True, "max_budget": 64}, "min_budget"),
+        ({"min_budget": 16, "max_budget": 64, "ladder": "linear"}, "ladder"),
+        ({"min_budget": 16, "max_budget": 64, "ratio": 1.0}, "ratio"),
+        ({"min_budget": 16, "max_budget": 64, "ladder": "geometric", "ratio": 0.5}, "ratio"),
+        ({"min_budget": 16, "max_budget": 64, "align": 0}, "align"),
+    ],
+)
+def test_generate_budgets_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        generate_budgets(**kwargs)
+
+
+def test_generate_budgets_error_message_shows_values_and_allowed():
+    with pytest.raises(ValueError) as info:
+        generate_budgets(0, 64)
+    assert str(info.value) == (
+        "min_budget must be a positive integer <= max_budget (got min_budget=0, max_budget=64)"
+    )
+    with pytest.raises(ValueError, match="pow2, geometric"):
+        generate_budgets(16, 64, ladder="linear")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [(0, 64), (1, 64), (64, 64), (65, 128), (200, 256), (256, 256), (257, None), (10**6, None)],
+)
+def test_smallest_fitting_budget(tokens, expected):
+    assert smallest_fitting_budget(tokens, [64, 128, 256]) == expected
+
+
+def test_smallest_fitting_budget_of_empty_ladder_is_none():
+    assert smallest_fitting_budget(1, []) is None
+
+
+@given(
+    budgets=st.lists(st.integers(1, 10000), min_size=1, max_size=20, unique=True).map(sorted),
+    tokens=st.integers(0, 12000),
+)
+def test_smallest_fitting_budget_is_the_smallest_that_fits(budgets, tokens):
+    fitting = [budget for budget in budgets if tokens <= budget]
+    assert smallest_fitting_budget(tokens, budgets) == (min(fitting) if fitting else None)
+
+
+def test_resolve_both_given_sorts_and_dedupes():
+    assert resolve_budgets(64, 4096, [512, 128, 512, 2048], 16) == ([128, 512, 2048], 16)
+
+
+def test_resolve_both_given_max_items_may_equal_smallest_budget():
+    assert resolve_budgets(64, 4096, [128, 512], 128) == ([128, 512], 128)
+
+
+def test_resolve_both_given_rejects_more_items_than_smallest_budget():
+    with pytest.raises(ValueError) as info:
+        resolve_budgets(64, 4096, [128, 512], 129)
+    message = str(info.value)
+    assert "max_items" in message
+    assert "smallest budget, 128" in message
+    assert "at least one output token" in message
+
+
+def test_resolve_only_max_items_starts_ladder_at_max_items():
+    assert resolve_budgets(64, 1024, None, 100) == ([100, 200, 400, 800, 1024], 100)
+
+
+def test_resolve_only_max_items_below_min_budget_keeps_min_budget():
+    assert resolve_budgets(64, 1024, None, 8) == ([64, 128, 256, 512, 1024], 8)
+
+
+def test_resolve_only_max_items_forwards_ladder_arguments():
+    budgets, max_items = resolve_budgets(64, 150, None, 4, ladder="geometric", ratio=1.25, align=16)
+    assert (budgets, max_items) == ([64, 80, 112, 144, 150], 4)
+
+
+def test_resolve_only_max_items_rejects_more_items_than_max_budget():
+    with pytest.raises(ValueError, match=r"max_items must be a positive integer <= max_budget"):
+        resolve_budgets(64, 1024, None, 1025)
+
+
+def test_resolve_only_budgets_derives_max_items():
+    # max_budget // min_budget = 16 items, below the smallest budget.
+    assert resolve_budgets(64, 1024, [256, 128], None) == ([128, 256], 16)
+    # The smallest budget caps it: 4096 // 1 = 4096 items would not fit 32 tokens.
+    assert resolve_budgets(1, 4096, [32, 64], None) == ([32, 64], 32)
+
+
+def test_resolve_neither_given_uses_the_range():
+    assert resolve_budgets(64, 1024, None, None) == ([64, 128, 256, 512, 1024], 16)
+    assert resolve_budgets(64, 1000, None, None) == ([64, 128, 256, 512, 1000], 15)
+
+
+def test_resolve_neither_given_forwards_ladder_arguments():
+    budgets, _ = resolve_budgets(64, 150, None, None, ladder="geometric", ratio=1.25, align=16)
+    assert budgets == [64, 80, 112, 144, 150]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "field"),
+    [
+        ((0, 64, None, None), {}, "min_budget"),
+        ((128, 64, None, None), {}, "min_budget"),
+        ((16, 0, None, None), {}, "max_budget"),
+        ((16, 64, [], None), {}, "budgets"),
+        ((16, 64, [32, 0], None), {}, "budgets"),
+        ((16, 64, [32, -8], 4), {}, "budgets"),
+        ((16, 64, [32], 0), {}, "max_items"),
+        ((16, 64, None, -3), {}, "max_items"),
+        ((16, 64, None, 2.5), {}, "max_items"),
+        ((16, 64, None, None), {"ladder": "fib"}, "ladder"),
+        ((16, 64, [32], 4), {"ratio": 1}, "ratio"),
+        ((16, 64, None, None), {"align": -16}, "align"),
+    ],
+)
+def test_resolve_errors_name_the_field(args, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        resolve_budgets(*args, **kwargs)
+
+
+# ------------------------------------------------------------- learned ladders
+
+
+def padding(sums, budgets):
+    ladder = sorted(budgets)
+    return sum(smallest_fitting_budget(t, ladder) - t for t in sums if 0 < t <= ladder[-1])
+
+
+#: Batches of item sizes: 1 to 8 items of 1 to 3000 tokens, sometimes above the max.
+batches_of_sizes = st.lists(st.lists(st.integers(0, 3000), min_size=1, max_size=8), max_size=12)
+
+
+@given(
+    sample=batches_of_sizes,
+    min_budget=st.sampled_from([16, 32, 64, 128]),
+    max_budget=st.integers(256, 4096),
+    max_items=st.integers(1, 16),
+    ladder=st.sampled_from(["pow2", "geometric"]),
+)
+def test_auto_ladder_never_pads_more_than_pow2_or_geometric(
+    sample, min_budget, max_budget, max_items, ladder
+):
+    reference = generate_budgets(min_budget, max_budget, ladder, ratio=1.25, align=16)
+    learned = learn_budgets(sample, len(reference), min_budget, max_budget, max_items, align=16)
+    sums = sub_batch_sums(sample, max_budget, max_items)
+    assert padding(sums, learned) <= padding(sums, reference)
+    assert expected_padding(sums, learned) <= expected_padding(sums, reference)
+    assert len(learned) <= len(reference)
+
+
+@given(
+    sample=batches_of_sizes,
+    min_budget=st.integers(1, 300),
+    max_budget=st.integers(300, 4096),
+    max_items=st.integers(1, 16),
+    align=st.sampled_from([1, 8, 16]),
+)
+def test_auto_ladder_never_pads_more_than_pow2_for_any_min_budget(
+    sample, min_budget, max_budget, max_items, align
+):
+    # Odd minimums (batch-first towers start at 1) shrink the alignment to gcd(align, min).
+    reference = generate_budgets(min_budget, max_budget)
+    learned = learn_budgets(sample, len(reference), min_budget, max_budget, max_items, align)
+    sums = sub_batch_sums(sample, max_budget, max_items)
+    assert padding(sums, learned) <= padding(sums, reference)
+
+
+@settings(max_examples=60)
+@given(
+    sums=st.lists(st.integers(1, 1024), max_size=30),
+    k=st.integers(1, 5),
+    min_budget=st.sampled_from([8, 16, 48]),
+    align=st.sampled_from([1, 16]),
+)
+def test_auto_ladder_is_the_best_ladder_by_exhaustive_search(sums, k, min_budget, align):
+    max_budget = 1024
+    step = math.gcd(align, min_budget)
+    # Every rung a ladder may have: min, max and the multiples of the step between.
+    rungs = sorted({min_budget, max_budget, *range(step * -(-min_budget // step), 1024, step)})
+    useful = sorted({smallest_fitting_budget(t, rungs) for t in sums} | {max_budget})
+    best = min(
+        padding(sums, [*ladder, max_budget])
+        for size in range(min(k, len(useful)))
+        for ladder in itertools.combinations(useful[:-1], size)
+    )
+    learned = choose_budgets(sums, k, min_budget, max_budget, align)
+    assert padding(sums, learned) == best
+
+
+@given(sample=batches_of_sizes, k=st.integers(1, 20), max_budget=st.integers(64, 4096))
+def test_auto_ladder_shape(sample, k, max_budget):
+    learned = learn_budgets(sample, k, 16, max_budget, max_items=8)
+    assert learned[-1] == max_budget
+    assert len(learned) <= k
+    assert all(16 <= a < b for a, b in zip(learned, learned[1:], strict=False))
+    assert all(budget % 16 == 0 for budget in learned[:-1])
+
+
+def test_auto_ladder_fills_unused_rungs_geometrically():
+    # One sub-batch of 100 tokens needs two rungs; the other six split the widest gaps.
+    learned = learn_budgets([100], 8, 16, 4096, max_items=4)
+    assert len(learned) == 8 and 112 in learned and learned[-1] == 4096
+    assert learn_budgets([], 3, 16, 1024, max_items=4) == [16, 128, 1024]
+
+
+def test_auto_ladder_is_deterministic():
+    rng = random.Random(0)
+    sample = [[rng.randrange(1, 2000) for _ in range(rng.randrange(1, 6))] for _ in range(40)]
+    first = learn_budgets(sample, 12, 64, 16384, max_items=16)
+    shuffled = [sorted(batch, reverse=True) for batch in reversed(sample)]
+    assert learn_budgets(sample, 12, 64, 16384, max_items=16) == first
+    assert learn_budgets(shuffled, 12, 64, 16384, max_items=16) == first
+    assert len(first) == 12
+
+
+def test_auto_ladder_accepts_one_batch_or_many():
+    assert learn_budgets([100, 200], 4, 16, 1024, 8) == learn_budgets([[100, 200]], 4, 16, 1024, 8)
+
+
+@given(sample=batches_of_sizes, max_budget=st.integers(64, 4096), max_items=st.integers(1, 16))
+def test_sub_batch_sums_match_next_fit_packing(sample, max_budget, max_items):
+    expected = []
+    for batch in sample:
+        items = [{"p": tokens} for tokens in batch]
+        for sub_batch in pack_items(items, max_items, {"p": max_budget}):
+            total = sum(batch[i] for i in sub_batch)
+            if 0 < total <= max_budget:
+                expected.append(total)
+    assert sub_batch_sums(sample, max_budget, max_items) == expected
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, True, None])
+def test_auto_ladder_rejects_k_below_one(k):
+    with pytest.raises(ValueError, match=r"k must be a positive integer.*got k="):
+        learn_budgets([100], k, 16, 1024, 8)
+    with pytest.raises(ValueError, match="k must be"):
+        choose_budgets([100], k, 16, 1024)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (([1], 2, 0, 64, 4), "min_budget"),
+        (([1], 2, 16, 8, 4), "min_budget"),
+        (([1], 2, 16, 64, 0), "max_items"),
+        (([-1], 2, 16, 64, 4), "sample_tokens"),
+    ],
+)
+def test_auto_ladder_errors_name_the_field(args, field):
+    with pytest.raises(ValueError, match=field):
+        learn_budgets(*args)

@@ -1,0 +1,384 @@
+"""CapturePolicy: which keys are captured when, from scripted timings, and through the manager."""
+
+import time
+
+import pytest
+import torch
+from toy_encoder import ToyEncoder, ToyTower
+
+from lightning_cg.core import capture_policy
+from lightning_cg.core.capture_policy import (
+    CAPTURE,
+    FIRST_CAPTURE_FACTOR,
+    MIN_SIGHTINGS,
+    NO_GAIN,
+    PRIOR_CAPTURE_RATIO,
+    PRIOR_GRAPH_RATIO,
+    SAMPLES,
+    WAIT,
+    CapturePolicy,
+    ProcessCaptures,
+)
+from lightning_cg.engine.manager import EncoderGraphManager
+
+
+def policy_for(expected_calls: int | None, captured_before: bool = True, **options):
+    """A policy in a process that has (or has not yet) captured a graph."""
+    policy = CapturePolicy(process=ProcessCaptures(count=int(captured_before)), **options)
+    policy.begin_run(expected_calls=expected_calls)
+    return policy
+
+
+def see(
+    policy: CapturePolicy,
+    key: str,
+    eager_s: float | None = None,
+    size: int = 64,
+    tokens: int | None = None,
+) -> str:
+    """One call whose only sub-batch needs ``key`` (``tokens`` real tokens, by
+    default all ``size``); returns the policy's decision."""
+    tokens = size if tokens is None else tokens
+    policy.called()
+    policy.sighted(key, path="local", size=size, tokens=tokens)
+    if eager_s is not None and policy.wants_eager_timing(key):
+        policy.record_eager(key, eager_s, tokens)
+    return policy.decide(key)
+
+
+def first_capture(decisions: list[str]) -> int | None:
+    return decisions.index(CAPTURE) if CAPTURE in decisions else None
+
+
+def test_first_use_captures_at_the_first_sighting():
+    policy = CapturePolicy(first_use=True)
+    policy.begin_run(expected_calls=None)
+    assert see(policy, "a") == CAPTURE
+
+
+def test_a_key_waits_for_its_second_sighting_and_a_timing():
+    assert MIN_SIGHTINGS == 2
+    policy = policy_for(expected_calls=1000)
+    assert see(policy, "a", eager_s=0.01) == WAIT  # seen once
+    assert see(policy, "a") == CAPTURE  # seen twice, ample calls left
+    untimed = policy_for(expected_calls=1000)
+    see(untimed, "b")
+    assert see(untimed, "b") == WAIT  # no eager time measured yet
+
+
+def test_a_run_of_known_length_captures_once_its_remaining_calls_repay_the_capture():
+    # Prior: a capture costs 5 eager runs, a replay saves half an eager run: it
+    # pays after 10 replays. At the second sighting of a run of n calls, n - 2 remain.
+    assert PRIOR_CAPTURE_RATIO / (1 - PRIOR_GRAPH_RATIO) == 10
+    short = policy_for(expected_calls=11)
+    assert [see(short, "a", eager_s=0.01) for _ in range(2)] == [WAIT, WAIT]
+    long = policy_for(expected_calls=12)
+    assert [see(long, "a", eager_s=0.01) for _ in range(2)] == [WAIT, CAPTURE]
+
+
+def test_the_first_capture_of_a_process_is_expected_to_cost_more():
+    # 4 x 5 eager runs: a run of 12 calls no longer repays it, one of 42 does.
+    assert FIRST_CAPTURE_FACTOR == 4
+    short = policy_for(expected_calls=41, captured_before=False)
+    see(short, "a", eager_s=0.01)
+    assert short.estimates("a")["capture_s"] == pytest.approx(0.01 * 5 * 4)
+    assert see(short, "a") == WAIT
+    long = policy_for(expected_calls=42, captured_before=False)
+    see(long, "a", eager_s=0.01)
+    assert see(long, "a") == CAPTURE
+
+
+def test_measured_captures_replace_the_prior_but_a_process_first_capture_teaches_nothing():
+    process = ProcessCaptures()
+    policy = CapturePolicy(process=process)
+    policy.begin_run(expected_calls=100)
+    for key in ("first", "second", "third"):
+        see(policy, key, eager_s=0.010)
+    policy.record_capture("first", 0.5)  # the libraries' set-up: 50 eager runs
+    assert process.count == 1
+    assert policy.estimates("third")["capture_s"] == pytest.approx(0.010 * PRIOR_CAPTURE_RATIO)
+    policy.record_capture("second", 0.020)  # 2 eager runs
+    assert policy.estimates("third")["capture_s"] == pytest.approx(0.020)
+
+
+def test_unknown_length_captures_once_the_eager_time_spent_reaches_the_capture_cost():
+    # Ski rental: 5 eager runs of 10 ms buy a capture; the sighting after the
+    # fifth timed one (its eager time counts from the second sighting on) captures.
+    policy = policy_for(expected_calls=None)
+    decisions = [see(policy, "a", eager_s=0.01) for _ in range(8)]
+    assert first_capture(decisions) == 5
+    assert policy.estimates("a")["eager_spent_s"] == pytest.approx(0.01 * 7)
+
+
+def test_short_runs_that_repeat_capture_their_recurring_keys():
+    # Runs of 4 calls never repay a capture alone, but the eager time they
+    # spend adds up: the second run captures, the third runs on the graph.
+    policy = policy_for(expected_calls=4)
+    decisions = []
+    for _ in range(3):
+        policy.begin_run(expected_calls=4)
+        decisions.append([see(policy, "a", eager_s=0.01) for _ in range(4)])
+    assert CAPTURE not in decisions[0]
+    assert CAPTURE in decisions[1]
+
+
+def test_multi_scale_validation_captures_every_resolution_by_the_third_run():
+    # Four resolutions cycling, 48 batches a run, three runs of one Trainer; the
+    # process has not captured before (the first capture costs 4 x 5 eager runs).
+    policy = policy_for(expected_calls=48, captured_before=False)
+    captured: dict[str, int] = {}
+    for run in range(3):
+        policy.begin_run(expected_calls=48)
+        for call in range(48):
+            key = f"side_{call % 4}"
+            if key in captured:
+                policy.called()
+                policy.sighted(key, "local", 16, 16)
+                continue
+            if see(policy, key, eager_s=0.006, size=16) == CAPTURE:
+                captured[key] = run
+                policy.record_capture(key, 0.2 if not captured or len(captured) == 1 else 0.02)
+    assert set(captured) == {f"side_{side}" for side in range(4)}
+    assert max(captured.values()) <= 1  # all captured before the third run
+
+
+@pytest.mark.parametrize("later_runs, captured_at", [(None, None), (0, None), (1, 1)])
+def test_runs_known_to_follow_repay_a_capture(later_runs, captured_at):
+    # A run of 8 alone does not repay a capture (6 x 0.005 s < 0.05 s); with a
+    # run known to follow (a fit's next validation run) it does (14 x 0.005 s).
+    policy = policy_for(expected_calls=None)
+    policy.begin_run(expected_calls=8, later_runs=later_runs)
+    decisions = [see(policy, "a", eager_s=0.01) for _ in range(4)]
+    assert first_capture(decisions) == captured_at
+
+
+def test_a_rare_key_among_frequent_ones_waits():
+    policy = policy_for(expected_calls=40)
+    for call in range(20):
+        policy.called()
+        policy.sighted("common", "local", 64, 64)
+        if call % 10 == 0:
+            policy.sighted("rare", "local", 64, 64)
+        for key in ("common", "rare"):
+            if policy.wants_eager_timing(key):
+                policy.record_eager(key, 0.01, 64)
+    # common: 20 calls left x 1 per call x 0.005 s = 0.1 s >= 0.05 s
+    assert policy.decide("common") == CAPTURE
+    # rare: 2 in 20 calls, 2 more expected x 0.005 s, 0.01 s spent < 0.05 s
+    assert policy.decide("rare") == WAIT
+
+
+def test_a_measured_graph_replaces_the_prior_per_padded_token():
+    policy = policy_for(expected_calls=100)
+    see(policy, "small", eager_s=0.010, size=64)
+    for _ in range(SAMPLES):
+        policy.record_replay("small", 0.0095)  # the graph saves only 5%
+    see(policy, "large", eager_s=0.010, size=128, tokens=64)
+    see(policy, "large", size=128, tokens=64)
+    # Half of "large" is padding: 0.95 x 2 of its eager time, no gain.
+    assert policy.estimates("large")["graph_s"] == pytest.approx(0.010 * 0.95 * 2)
+    assert policy.decide("large") == NO_GAIN
+
+
+def test_slower_than_eager_needs_enough_replays_and_can_be_turned_off():
+    for drop, expected in ((True, True), (False, False)):
+        policy = policy_for(expected_calls=100, drop_slower_graphs=drop)
+        see(policy, "a", eager_s=0.010)
+        for _ in range(SAMPLES):
+            assert not policy.slower_than_eager("a")  # too few replays timed
+            policy.record_replay("a", 0.011)
+        assert policy.slower_than_eager("a") is expected
+
+
+def test_eager_time_follows_the_real_tokens_a_key_serves():
+    # A graph computes its whole budget; eager only the real tokens. Timed on a
+    # full sub-batch, eager looks slow; the key mostly serves quarter-full ones.
+    policy = policy_for(expected_calls=100)
+    see(policy, "a", eager_s=0.010, size=64, tokens=64)
+    for _ in range(SAMPLES):
+        policy.record_replay("a", 0.008)
+    assert not policy.slower_than_eager("a")
+    for _ in range(7):
+        see(policy, "a", size=64, tokens=16)
+    # Mean real tokens (64 + 7 x 16) / 8 = 22: eager about 0.0034 s < 0.008 s.
+    assert policy.estimates("a")["eager_s"] == pytest.approx(0.010 / 64 * 22)
+    assert policy.slower_than_eager("a")
+
+
+def test_a_key_mostly_padding_is_not_expected_to_gain():
+    # Half of the budget is padding: at the prior cost per padded token (half
+    # of eager's per real token) the graph costs what eager does.
+    policy = policy_for(expected_calls=1000)
+    see(policy, "half_padding", eager_s=0.010, size=64, tokens=32)
+    assert see(policy, "half_padding", size=64, tokens=32) == NO_GAIN
+    full = policy_for(expected_calls=1000)
+    see(full, "full", eager_s=0.010, size=64, tokens=64)
+    assert see(full, "full", size=64, tokens=64) == CAPTURE
+
+
+def path_with_eager_calls(policy: CapturePolicy, seconds: dict[int, float]) -> CapturePolicy:
+    """``policy`` whose path ran eagerly on these token counts in these seconds."""
+    for tokens, spent in seconds.items():
+        policy.record_eager_call("local", tokens, spent)
+        policy.sighted(f"seen_{tokens}", "local", 4096, tokens)
+    return policy
+
+
+def test_eager_calls_mostly_launches_promise_a_gain_despite_padding():
+    # 10 ms of launches whatever the size, plus 0.1 us a token: a graph removes
+    # the launches. It is expected to cost its budget at the path's cheapest
+    # eager rate (the 4096-token call's), more than the line's slope.
+    policy = path_with_eager_calls(
+        policy_for(expected_calls=1000), {64: 0.010 + 64e-7, 4096: 0.010 + 4096e-7}
+    )
+    see(policy, "a", eager_s=0.010, size=1024, tokens=600)
+    cheapest = (0.010 + 4096e-7) / 4096
+    assert policy.estimates("a")["graph_s"] == pytest.approx(cheapest * 1024)
+    assert see(policy, "a", size=1024, tokens=600) == CAPTURE
+    # Of one size only, the path's line gives the graph its slope per token.
+    one_size = policy_for(expected_calls=1000)
+    for tokens in (64, 1024):
+        one_size.record_eager_call("local", tokens, 0.010 + tokens * 1e-7)
+    see(one_size, "b", eager_s=0.010, size=1024, tokens=1024)
+    assert one_size.estimates("b")["graph_s"] == pytest.approx(1e-7 * 1024, rel=0.01)
+
+
+def test_on_a_path_of_several_sizes_a_graph_costs_at_least_its_budget_at_the_cheapest_rate():
+    # Eager calls of 1000 to 3000 tokens all took 10 ms: launches alone, or GPU
+    # work the launches hide. At 3000 tokens in 10 ms, a 4096-token graph costs
+    # 13.7 ms, more than eager's 10: no gain is expected.
+    policy = path_with_eager_calls(
+        policy_for(expected_calls=1000), {1000: 0.010, 2000: 0.010, 3000: 0.010}
+    )
+    see(policy, "big", eager_s=0.010, size=4096, tokens=2900)
+    assert policy.estimates("big")["graph_s"] == pytest.approx(0.010 / 3000 * 4096)
+    assert see(policy, "big", size=4096, tokens=2900) == NO_GAIN
+    # Compiled graphs fuse work: the cheapest eager rate does not bound them.
+    fused = path_with_eager_calls(
+        policy_for(expected_calls=1000), {1000: 0.010, 2000: 0.010, 3000: 0.010}
+    )
+    fused.graphs_fuse_work = True
+    see(fused, "big", eager_s=0.010, size=4096, tokens=2900)
+    assert see(fused, "big", size=4096, tokens=2900) == CAPTURE
+
+
+def test_forgotten_graphs_keep_what_the_eager_runs_taught():
+    policy = policy_for(expected_calls=None)
+    for _ in range(8):
+        see(policy, "a", eager_s=0.01)
+    for _ in range(SAMPLES):
+        policy.record_replay("a", 0.02)
+    assert policy.slower_than_eager("a")
+    policy.forget_graphs()
+    assert not policy.slower_than_eager("a")
+    assert policy.decide("a") == CAPTURE  # the eager time spent still buys it
+
+
+# ----------------------------------------------------------- through the manager
+
+
+def toy_manager(**options) -> tuple:
+    torch.manual_seed(0)
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(ToyEncoder(tower), budgets={"budgets": [16, 64]}, **options)
+    tokens, lengths = torch.randn(12, 8), torch.tensor([5, 7])
+    inputs = manager.encoder.inputs_from_call((tokens, lengths), {})
+    return tower, manager, inputs, tower(tokens, lengths).detach()
+
+
+def run_calls(manager, inputs, calls: int) -> list:
+    with torch.no_grad():
+        return [manager.execute(inputs) for _ in range(calls)]
+
+
+def test_manager_captures_a_recurring_key_once_the_run_can_repay_it():
+    _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
+    manager.begin_run(expected_calls=100)
+    outputs = run_calls(manager, inputs, 5)
+    # Call 1 eager (seen once); call 2 captures (98 calls left x half an eager
+    # run >= 5 eager runs) and replays from then on.
+    assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 4)
+    assert len(manager.cache) == 1
+    for output in outputs:
+        torch.testing.assert_close(output, expected)
+
+
+def test_manager_leaves_a_short_first_run_eager_and_captures_in_a_later_longer_one():
+    # A fresh process: the first capture costs 4 x 5 eager runs; a replay saves
+    # a third of one (12 real tokens in a budget of 16). Ten calls cannot repay
+    # it, and spend less than half of it.
+    _, manager, inputs, _ = toy_manager(drop_slower_graphs=False)
+    manager.begin_run(expected_calls=10)
+    run_calls(manager, inputs, 10)
+    assert manager.stats.hits == 0 and manager.stats.eager_no_graph_yet == 10
+    assert not manager.is_captured()
+    manager.begin_run(expected_calls=100)  # 99 calls x a third >= 20: at once
+    run_calls(manager, inputs, 3)
+    assert manager.stats.eager_no_graph_yet == 0 and manager.stats.hits == 3
+
+
+def test_manager_captures_a_key_that_recurs_in_short_runs_and_then_replays_it():
+    # Runs of 6 calls never repay the first capture (20 eager runs) themselves;
+    # the eager time they spend on the key adds up to it in about the fourth run.
+    _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
+    hits = []
+    outputs = []
+    for _ in range(6):
+        manager.begin_run(expected_calls=6)
+        outputs += run_calls(manager, inputs, 6)
+        hits.append(manager.stats.hits)
+    assert hits[0] == 0  # 5 eager runs spent: a quarter of the cost
+    assert hits[-1] == 6 and manager.stats.graphs_captured == 0
+    assert len(manager.cache) == 1
+    for output in outputs:
+        torch.testing.assert_close(output, expected)
+
+
+def test_manager_lets_a_fit_validation_run_pay_for_the_runs_known_to_follow(monkeypatch):
+    # A process that captured before: a capture costs 5 eager runs, a replay
+    # saves a third of one. The run known to follow will come, so at the second
+    # call the 8 calls left and its 10 (18 x a third >= 5) repay the capture.
+    monkeypatch.setattr(capture_policy.PROCESS_CAPTURES, "count", 1)
+    _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
+    manager.begin_run(expected_calls=10, later_runs=1)
+    for output in run_calls(manager, inputs, 10):
+        torch.testing.assert_close(output, expected)
+    assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 9)
+    # Without it, 8 x a third < 5: the key waits until its eager runs add up to
+    # the capture's cost (about its sixth call; CPU timings move it a little).
+    _, alone, inputs, _ = toy_manager(drop_slower_graphs=False)
+    alone.begin_run(expected_calls=10)
+    run_calls(alone, inputs, 10)
+    assert alone.stats.eager_no_graph_yet > 1 and alone.is_captured()
+
+
+def test_manager_sends_a_key_whose_graph_is_slower_back_to_eager():
+
+    from toy_encoder import ToyEncoder
+
+    class SlowGraph(ToyEncoder):
+        def graph_forward(self, path, buffers):
+            time.sleep(0.02)
+            return super().graph_forward(path, buffers)
+
+    tower, manager, inputs, expected = toy_manager()
+    manager = type(manager)(SlowGraph(tower), budgets={"budgets": [16, 64]})
+    manager.begin_run(expected_calls=1000)
+    for output in run_calls(manager, inputs, 1 + SAMPLES + 2):
+        torch.testing.assert_close(output, expected)
+    stats = manager.stats
+    assert (stats.eager_no_graph_yet, stats.hits, stats.eager_measured_slower) == (1, SAMPLES, 2)
+
+
+def test_upfront_captures_each_paths_whole_ladder_at_its_first_call():
+    _, manager, inputs, expected = toy_manager(capture="upfront")
+    with torch.no_grad():
+        output = manager.execute(inputs)
+    torch.testing.assert_close(output, expected)
+    assert manager.stats.eager_no_graph_yet == 0 and manager.stats.hits > 0
+    # The toy tower's items have local tokens only.
+    budgets = {key.descriptor.num_tokens for key in manager.cache.keys() if key.path == "local"}
+    assert budgets == {16, 64}
+    captured = len(manager.cache)
+    run_calls(manager, inputs, 2)
+    assert len(manager.cache) == captured

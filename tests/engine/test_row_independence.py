@@ -1,0 +1,75 @@
+"""A padded graph serves a key only once its output on real rows matched eager.
+
+Padding adds rows the tower never saw eagerly; a tower whose rows interact would
+change its real rows' outputs. The engine compares a graph's first padded replay
+with eager on the same items, and sends a key that differs to eager for good.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cg.adapters.batched import BatchedEncoderAdapter
+from lightning_cg.engine.manager import EncoderGraphManager
+
+
+class RowsInteract(nn.Module):
+    """Rows that depend on the other rows of the batch."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 5)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "batch_mean":
+            return self.linear(x - x.mean(0))
+        if self.how == "batch_size":
+            return self.linear(x) * x.shape[0]
+        return self.linear(x)  # independent rows
+
+
+def serve(tower: nn.Module, *batches: torch.Tensor) -> tuple[EncoderGraphManager, list]:
+    """The manager's outputs of ``batches``, with its default capture rule and checks."""
+    adapter = BatchedEncoderAdapter(tower)
+    manager = EncoderGraphManager(adapter, budgets={"budgets": [4, 8]}, capture="upfront")
+    with torch.no_grad():
+        return manager, [manager.execute(adapter.inputs_from_call((x,), {})) for x in batches]
+
+
+def eager(tower: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return tower(x)
+
+
+@pytest.mark.parametrize("how", ["batch_mean", "batch_size"])
+def test_a_tower_whose_rows_interact_gets_eager_outputs_and_one_warning(how):
+    tower = RowsInteract(how)
+    batches = [torch.randn(3, 6), torch.randn(3, 6), torch.randn(4, 6)]
+    with pytest.warns(UserWarning) as warned:
+        manager, outputs = serve(tower, *batches)
+
+    for x, out in zip(batches, outputs, strict=True):
+        torch.testing.assert_close(out, eager(tower, x), rtol=0, atol=0)
+    messages = [str(w.message) for w in warned if "rows likely interact" in str(w.message)]
+    assert len(messages) == 1
+    assert "RowsInteract: the graph of path 'image', budget 4" in messages[0]
+    assert "This key runs eagerly from now on" in messages[0]
+    # Every batch of budget 4 runs eagerly, the first one's replay replaced by eager.
+    assert manager.stats.eager_rows_interact == 3
+    assert manager.stats.hits == 0
+
+
+def test_a_tower_of_independent_rows_is_checked_once_and_replays():
+    tower = RowsInteract("independent")
+    batches = [torch.randn(3, 6), torch.randn(3, 6), torch.randn(2, 6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager, outputs = serve(tower, *batches)
+
+    for x, out in zip(batches, outputs, strict=True):
+        torch.testing.assert_close(out, eager(tower, x), rtol=1e-5, atol=1e-6)
+    assert manager.stats.hits == 3 and manager.stats.eager_rows_interact == 0

@@ -1,0 +1,115 @@
+"""graphed(tower): the manager around a tower's forward in a plain PyTorch loop."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torchvision.models import resnet18
+from toy_encoder import ToyEncoder, ToyTower
+
+import lightning_cg
+from lightning_cg.serve.graphed import graphed
+
+
+def tiny_resnet() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return resnet18(num_classes=10).eval()
+
+
+def toy_call(lengths=(5, 9, 3)) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(sum(lengths), 8), torch.tensor(lengths)
+
+
+def test_a_resnet_gives_its_eager_output_through_graphs_and_counts_hits():
+    tower = tiny_resnet()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        eager = tower(x)
+        with graphed(tower, capture="first_use") as served:
+            first = tower(x)
+            after_one = served.stats["hits"]
+            second = tower(x[:2])
+    torch.testing.assert_close(first, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, eager[:2], rtol=1e-5, atol=1e-5)
+    assert after_one > 0 and served.stats["hits"] > after_one
+    assert served.stats["items"] == 5
+    assert "forward" not in tower.__dict__
+
+
+def test_a_packed_tower_with_its_own_adapter_gives_its_eager_output():
+    torch.manual_seed(0)
+    tower = ToyTower(global_tokens=2)
+    calls = [toy_call(), toy_call((7, 1)), toy_call((12,))]
+    with torch.no_grad():
+        eager = [tower(*call) for call in calls]
+        # An adapter class is a factory: graphed builds ToyEncoder(tower).
+        with graphed(tower, adapter=ToyEncoder, capture="first_use") as served:
+            outputs = [tower(*call) for call in calls]
+    for output, expected in zip(outputs, eager, strict=True):
+        torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    assert isinstance(served.manager.encoder, ToyEncoder)
+    assert served.stats["hits"] > 0 and served.stats["items"] == 6
+
+
+def test_calls_with_grad_enabled_run_eagerly():
+    tower = tiny_resnet()
+    x = torch.randn(2, 3, 16, 16)
+    with graphed(tower, capture="first_use") as served:
+        output = tower(x)
+    assert output.requires_grad
+    assert served.stats["hits"] == 0 and served.stats["items"] == 2
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_the_forward_comes_back_after_an_exception(raised):
+    tower = tiny_resnet()
+    with pytest.raises(type(raised)), torch.no_grad(), graphed(tower):
+        assert "forward" in tower.__dict__
+        tower(torch.randn(1, 3, 16, 16))
+        raise raised
+    assert "forward" not in tower.__dict__
+
+
+def test_an_instance_level_forward_wrapper_comes_back_as_it_was():
+    tower = tiny_resnet()
+    calls = []
+
+    def wrapper(x):
+        calls.append(x.shape[0])
+        return type(tower).forward(tower, x)
+
+    tower.forward = wrapper
+    with torch.no_grad():
+        with graphed(tower, capture="first_use") as served:
+            assert tower.__dict__["forward"] is not wrapper
+            tower(torch.randn(2, 3, 16, 16))
+        assert tower.__dict__["forward"] is wrapper
+        tower(torch.randn(1, 3, 16, 16))
+    # Inside, the manager ran the tower's class forward; the wrapper saw only the call after.
+    assert calls == [1] and served.stats["items"] == 2
+
+
+def test_a_nested_graphed_on_the_same_tower_is_refused():
+    tower = tiny_resnet()
+    with graphed(tower) as outer:
+        patched = tower.__dict__["forward"]
+        with pytest.raises(RuntimeError, match="already inside graphed"), graphed(tower):
+            pass
+        with pytest.raises(RuntimeError, match="already inside graphed"), outer:
+            pass
+        assert tower.__dict__["forward"] is patched
+    assert "forward" not in tower.__dict__
+
+
+def test_a_bad_option_leaves_the_forward_alone():
+    tower = tiny_resnet()
+    with pytest.raises(ValueError, match="verfy"), graphed(tower, verfy=True):
+        pass
+    assert "forward" not in tower.__dict__
+
+
+def test_graphed_is_exported_lazily_and_import_stays_torch_free():
+    assert lightning_cg.graphed is graphed and "graphed" in lightning_cg.__all__
+    check = "import sys, lightning_cg; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", check], check=True)
