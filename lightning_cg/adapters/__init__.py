@@ -54,6 +54,12 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
         if isinstance(tower, GraphableEncoder):
             return tower
         name = _adapter_name_by_type(tower)
+    elif name != "packed" and takes_packed_patches(tower):
+        raise TypeError(
+            f"adapter={name!r} serves towers whose items are the batch rows; "
+            f"{type(tower).__qualname__} is called as tower(pixel_patches, grid_thw), its "
+            "items packed along the rows: use adapter='packed', or adapter=None to choose by type"
+        )
     if name == "packed":
         from lightning_cg.adapters.qwen import QwenVisionAdapter, qwen_tower_kind
 
@@ -104,13 +110,14 @@ def _adapter_name_by_type(tower: nn.Module) -> str:
 
 
 def takes_packed_patches(tower: nn.Module) -> bool:
-    """Whether ``tower.forward``'s first two parameters are ``pixel_patches, grid_thw``:
-    the packed calling convention (``tower(pixel_patches, grid_thw)``)."""
+    """Whether the first two parameters of the tower class's ``forward`` are
+    ``pixel_patches, grid_thw``: the packed calling convention. The class's, since
+    an instance-level wrapper (the callback's own, another library's) hides it."""
     try:
-        parameters = list(inspect.signature(tower.forward).parameters)
+        parameters = list(inspect.signature(type(tower).forward).parameters)
     except (TypeError, ValueError):
         return False
-    return parameters[:2] == ["pixel_patches", "grid_thw"]
+    return parameters[1:3] == ["pixel_patches", "grid_thw"]
 
 
 def as_slice(indices: Sequence[int]) -> slice | None:

@@ -113,8 +113,8 @@ class BudgetConfig:
                 )
             if not self.budgets:
                 raise ValueError("budgets must be a non-empty list of positive integers; got []")
-            for budget in self.budgets:
-                _check_positive_int("budgets[]", budget)
+            for index, budget in enumerate(self.budgets):
+                _check_positive_int(f"budgets[{index}]", budget)
             object.__setattr__(self, "budgets", tuple(self.budgets))
         _check_choice("ladder", self.ladder, (*LADDERS, AUTO_LADDER))
         _check_number("ratio", self.ratio, 1.0)
@@ -276,8 +276,8 @@ class GraphConfig:
                     "uniform_item_counts must be a non-empty list of positive integers or "
                     f"None; got uniform_item_counts={self.uniform_item_counts!r}"
                 )
-            for count in self.uniform_item_counts:
-                _check_positive_int("uniform_item_counts[]", count)
+            for index, count in enumerate(self.uniform_item_counts):
+                _check_positive_int(f"uniform_item_counts[{index}]", count)
             set_field(self, "uniform_item_counts", tuple(self.uniform_item_counts))
         for name in ("verify", "drop_slower_graphs", "cast_weights_per_run"):
             _check_bool(name, getattr(self, name))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from examples.models.packed_vit import PackedViT, PackedViTConfig, patchify
-from lightning_cg.adapters import packed
+from lightning_cg.adapters import adapter_for, packed
 from lightning_cg.adapters.packed import GLOBAL_PATH, LOCAL_PATH, PackedEncoderAdapter
 from lightning_cg.engine.encoder import CaptureSpec, GraphableEncoder, ItemSpec
 
@@ -321,3 +321,12 @@ def test_cuda_graph_replay_matches_eager(dtype, tolerance):
                 expected = adapter.eager_forward(path, inputs)
                 assert torch.isfinite(output).all()
                 assert relative_error(output[:tokens], expected) < tolerance
+
+
+@pytest.mark.parametrize("name", ["hf", "batched"])
+def test_a_batch_row_adapter_named_for_a_packed_tower_says_which_fits(name):
+    config = PackedViTConfig(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
+    tower = PackedViT(config)
+    with pytest.raises(TypeError, match=f"adapter='{name}' serves towers whose items are"):
+        adapter_for(tower, name)
+    assert isinstance(adapter_for(tower, "packed"), PackedEncoderAdapter)

@@ -145,6 +145,8 @@ BENCH_ROWS = [
     (["repeats=true"], "repeats"),
     (["manager.verify=no"], "verify"),
     (["manager.packing=best"], "packing"),
+    (["manager.budgets.ladder=foo"], "ladder"),
+    (["manager.budgets.ratio=2.0"], "ratio=2.0 applies only"),
     (["dtype=float8"], "dtype"),
     (["methods=[fastest]"], "methods"),
 ]
@@ -240,6 +242,21 @@ PYTHON_ROWS = [
         "config uniform_item_counts='1,2'",
         graph_config(uniform_item_counts="1,2"),
         "uniform_item_counts",
+    ),
+    (
+        "config uniform_item_counts [1, 0]",
+        graph_config(uniform_item_counts=[1, 0]),
+        "uniform_item_counts[1]=0",
+    ),
+    (
+        "config uniform_item_counts [2, 2.5]",
+        graph_config(uniform_item_counts=[2, 2.5]),
+        "uniform_item_counts[1]=2.5",
+    ),
+    (
+        "config uniform_item_counts [True]",
+        graph_config(uniform_item_counts=[True]),
+        "uniform_item_counts[0]=True",
     ),
     ("config capture_errors='ignore'", graph_config(capture_errors="ignore"), "capture_errors"),
     ("config unknown option", graph_config(bogus=1), "bogus"),

@@ -162,6 +162,26 @@ def test_two_callbacks_on_one_tower_are_refused_and_leave_the_forward_alone():
     assert "forward" not in net.vision_tower.__dict__
 
 
+def test_a_forward_set_on_the_tower_before_the_run_is_back_after_it():
+    net = model()
+    class_forward = type(net.vision_tower).forward
+    calls = []
+
+    def wrapper(*args, **kwargs):  # another library's wrapper, set on the instance
+        calls.append(len(args))
+        return class_forward(net.vision_tower, *args, **kwargs)
+
+    net.vision_tower.forward = wrapper
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
+    graphed = torch.cat(trainer(callback).predict(net, datamodule()))
+    assert net.vision_tower.__dict__["forward"] is wrapper
+    assert not calls  # the run went through the graphs, not the wrapper
+    assert callback.last_stats["hits"] > 0
+    eager = torch.cat(trainer().predict(net, datamodule()))
+    assert calls  # and the wrapper serves again once the run is over
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
+
+
 def test_keep_graphs_false_frees_graphs_after_each_run():
     callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=False, capture="first_use")
     trainer(callback).predict(model(), datamodule())

@@ -142,3 +142,16 @@ def test_a_fit_then_a_test_run_reuses_the_validation_graphs():
     assert all(after[key] is graph for key, graph in graphs.items())
     eager = trainer().test(net, datamodule("packed"), verbose=False)[0]["test_loss"]
     assert graphed == pytest.approx(eager, rel=1e-4)
+
+
+def test_graphs_captured_counts_this_runs_captures_after_an_earlier_run_captured():
+    callback = CUDAGraphCallback(budgets={"max_budget": 256}, capture="first_use")
+    net = model("packed")
+    run = trainer(callback)
+    run.predict(net, datamodule("packed", uniform=True))
+    first = callback.last_stats["graphs_captured"]
+    graphs_after_first = callback.last_stats["graphs"]
+    run.predict(net, datamodule("packed"))  # mixed sizes: keys the first run never saw
+    second = callback.last_stats["graphs_captured"]
+    assert first > 0 and second > 0
+    assert second == callback.last_stats["graphs"] - graphs_after_first

@@ -303,6 +303,25 @@ class LeakyEncoder(ToyEncoder):
         return self.tower.body(buffers["tokens"], lengths)
 
 
+class SlightlyOffEncoder(ToyEncoder):
+    """Its graph forward is off by one part in a thousand: above float32's tolerance."""
+
+    def graph_forward(self, path, buffers):
+        return super().graph_forward(path, buffers) * (1 + 1e-3)
+
+
+def test_verify_reports_a_float32_replay_off_by_one_part_in_a_thousand():
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(
+        SlightlyOffEncoder(tower),
+        budgets=BudgetConfig(budgets=[32]),
+        verify=True,
+        capture="first_use",
+    )
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"relative error 1\.0+e-03 > 1e-04"):
+        run(manager, *make_batch(random.Random(6), [5, 6]))
+
+
 def test_verify_catches_a_replay_that_differs_from_eager():
     tower = ToyTower().eval()
     manager = EncoderGraphManager(

@@ -161,7 +161,24 @@ def _check_batched_rows_of_any_shape(rank: int, world_size: int) -> None:
         torch.testing.assert_close(gathered, expected)
 
 
+def _check_grad_runs_the_whole_batch_locally(rank: int, world_size: int) -> None:
+    """With grad enabled every rank encodes the whole batch itself, with autograd history."""
+    torch.manual_seed(0)
+    tower = nn.Sequential(nn.Flatten(), nn.Linear(12, 6))
+    manager = EncoderGraphManager(BatchedEncoderAdapter(tower, max_batch_size=4))
+    x = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(rank))  # rank's own rows
+    out = execute_data_parallel(manager, manager.encoder.inputs_from_call((x,), {}))
+    assert out.grad_fn is not None
+    out.sum().backward()
+    local = [parameter.grad.clone() for parameter in tower.parameters()]
+    tower.zero_grad()
+    tower(x).sum().backward()
+    for got, expected in zip(local, (p.grad for p in tower.parameters()), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def _gathered_equal_single_process(rank: int, world_size: int) -> None:
+    _check_grad_runs_the_whole_batch_locally(rank, world_size)
     _check_toy(rank, world_size)
     _check_autocast(rank, world_size)
     _check_packed_vit(rank, world_size)
