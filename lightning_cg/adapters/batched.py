@@ -81,10 +81,9 @@ class BatchedEncoderAdapter:
         ViT, a transformers config's ``image_size``); None when the side comes with
         the first batch (see :mod:`lightning_cg.engine.budget_memory`)."""
         self._check_path(path)
-        config = getattr(self.tower, "config", self.tower)
-        side = getattr(config, "image_size", None)
-        channels = getattr(config, "num_channels", 3)
-        if not isinstance(side, int) or not isinstance(channels, int):
+        side = fixed_image_side(self.tower)
+        channels = getattr(getattr(self.tower, "config", self.tower), "num_channels", 3)
+        if side is None or not isinstance(channels, int):
             return None
         return channels * side * side * MIN_ELEMENT_BYTES
 
@@ -183,6 +182,13 @@ class BatchedEncoderAdapter:
             raise ValueError(
                 f"unknown encoder path {path!r}; BatchedEncoderAdapter has only 'image'"
             )
+
+
+def fixed_image_side(tower: nn.Module) -> int | None:
+    """The square image side a tower requires (torchvision's ViT ``image_size``, a
+    transformers config's ``image_size``), or None when it takes any side."""
+    side = getattr(getattr(tower, "config", tower), "image_size", None)
+    return side if isinstance(side, int) and not isinstance(side, bool) else None
 
 
 def dummy_rows(

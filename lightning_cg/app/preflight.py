@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters.batched import fixed_image_side
 from lightning_cg.app.schema import AppSchema
 from lightning_cg.callback.checks import resolve_module
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
@@ -96,11 +97,23 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     tower = resolve_module(model, callback.module)
     if "input" in cfg.model and _tower_kind(cfg) == PACKED:
         _check_tower_sizes(cfg, getattr(tower, "config", None))
+    if "input" in cfg.model and _tower_kind(cfg) == BATCH_FIRST:
+        _check_tower_side(cfg, tower)
     try:
         adapter = adapter_for(tower, callback.adapter)
     except ValueError as error:
         raise ValueError(f"cudagraph.module={callback.module!r}: {error}") from None
     EncoderGraphManager(adapter, callback.config)
+
+
+def _check_tower_side(cfg: DictConfig, tower: nn.Module) -> None:
+    side, wanted = fixed_image_side(tower), cfg.model.input.image_size
+    if side is not None and side != wanted:
+        raise ValueError(
+            f"model.input.image_size={wanted} disagrees with the tower "
+            f"{type(tower).__name__}, which takes {side}x{side} images only; set "
+            f"model.input.image_size={side} (the data is made at that side)"
+        )
 
 
 def _tower_kind(cfg: DictConfig) -> str:

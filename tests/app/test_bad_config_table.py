@@ -127,6 +127,11 @@ HYDRA_ROWS = [
     ("validate", ["model=vit_b_16", "data=fake", "data.image_size=64"], "image_size"),
     (
         "predict",
+        ["model=vit_b_16", "data=fake", "model.input.image_size=160"],
+        "model.input.image_size=160 disagrees with the tower VisionTransformer",
+    ),
+    (
+        "predict",
         ["model=qwen2_vl_vision", "data=synthetic", "data.temporal_patch_size=1"],
         "temporal_patch_size",
     ),
