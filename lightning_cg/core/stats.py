@@ -25,14 +25,15 @@ class GraphStats:
     count the CUDA graphs held: one per FULL key, one per piece of a PIECEWISE
     key; graphs captured those of this run. Pool bytes are the CUDA memory the
     captures reserved (the graphs' shared pool, their static input buffers and
-    the low-precision weight copies they read): what graphs cost beyond eager. Host seconds add up the host time
-    of replays (metadata, copies, launch, clone; nothing waits for the GPU),
-    launch seconds the part of it spent in the graph launch itself (the CUDA
-    driver's work, not the manager's); compile seconds the first
-    graph forwards of a compiled encoder (part of the capture seconds), over
-    the manager's lifetime and in this run. The ``eager_*`` counters split the
-    misses by reason (:data:`EAGER_REASONS`). Checked replays (and their real
-    tokens) are replays also run eagerly to compare: a graph's first padded one.
+    the low-precision weight copies they read): what graphs cost beyond eager.
+    Host seconds add up the host time of replays (metadata, copies, launch,
+    clone; nothing waits for the GPU), launch seconds the part of it spent in
+    the graph launch itself (the CUDA driver's work, not the manager's); compile
+    seconds the first graph forwards of a compiled encoder (part of the capture
+    seconds), over the manager's lifetime and in this run. The ``eager_*``
+    counters split the misses by reason (:data:`EAGER_REASONS`). Checked replays
+    (and their real tokens) are replays also run eagerly to compare: a graph's
+    first padded one.
     """
 
     hits: int = 0

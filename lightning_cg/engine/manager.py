@@ -43,6 +43,7 @@ from lightning_cg.engine.compiled import CompiledEncoder
 from lightning_cg.engine.compiling import CompileLifecycle
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
+from lightning_cg.engine.piecewise import check_ops_registered
 from lightning_cg.engine.plan import path_budget_choices, plan_paths
 from lightning_cg.engine.replay import autocast_key
 from lightning_cg.engine.weight_casts import WeightCasts, weight_casts_for
@@ -82,6 +83,8 @@ class EncoderGraphManager:
         if config is not None and options:
             raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
         self.config = config if config is not None else GraphConfig.from_options(**options)
+        if self.config.mode.requires_piecewise():
+            check_ops_registered(self.config.splitting_ops)
         self.mode = self.config.mode
         self.stats = GraphStats()
         # Adapters that build their output from each path's rows in item order

@@ -87,6 +87,37 @@ def check_splitting_ops(splitting_ops: Sequence[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def check_ops_registered(splitting_ops: Sequence[str]) -> None:
+    """Refuse an op name of ``splitting_ops`` that no loaded library registered.
+
+    Checked when a manager of a PIECEWISE mode is built (the tower's libraries are
+    imported by then); the defaults are left out, as older torch versions lack some.
+
+    Raises:
+        ValueError: naming the unknown entries.
+    """
+    unknown = [
+        name
+        for name in splitting_ops
+        if name not in DEFAULT_SPLITTING_OPS and not _op_registered(name)
+    ]
+    if unknown:
+        raise ValueError(
+            f"splitting_ops names {unknown}, which no loaded library registered as a torch "
+            "op; import the library that defines it first, or name ops such as "
+            f"{', '.join(DEFAULT_SPLITTING_OPS)}"
+        )
+
+
+def _op_registered(name: str) -> bool:
+    namespace, _, op_name = name.partition("::")
+    try:
+        getattr(getattr(torch.ops, namespace), op_name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def check_piecewise_fallback(fallback: str) -> str:
     """``fallback`` if it is one of :data:`PIECEWISE_FALLBACKS`, else a ValueError naming them."""
     if fallback not in PIECEWISE_FALLBACKS:

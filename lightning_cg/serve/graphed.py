@@ -126,8 +126,11 @@ def graphed(
         ``.manager`` and ``.stats``.
 
     Raises:
+        TypeError: ``tower`` is no ``torch.nn.Module``.
         RuntimeError: on entering, when ``tower`` is already inside ``graphed``.
         ValueError, TypeError: on entering, for a tower no adapter fits or a bad
             option (as ``adapter_for`` and ``EncoderGraphManager`` raise them).
     """
+    if not isinstance(tower, nn.Module):
+        raise TypeError(f"graphed serves a torch.nn.Module's forward; got {type(tower).__name__}")
     return GraphedTower(tower, adapter, config, options)

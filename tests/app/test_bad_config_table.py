@@ -314,6 +314,11 @@ PYTHON_ROWS = [
         "max_budget=64 contradicts",
     ),
     ("manager max_budget=99999999", manager(budgets={"max_budget": 99999999}), "max_budget"),
+    (
+        "manager piecewise splitting_ops=['nope::op']",
+        manager(mode="piecewise", splitting_ops=["nope::op"]),
+        "splitting_ops names ['nope::op']",
+    ),
     ("manager unknown path name", manager(paths={"glob": {}}), "paths"),
     (
         "manager path budget too large",

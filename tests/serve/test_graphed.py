@@ -113,3 +113,8 @@ def test_graphed_is_exported_lazily_and_import_stays_torch_free():
     assert lightning_cg.graphed is graphed and "graphed" in lightning_cg.__all__
     check = "import sys, lightning_cg; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", check], check=True)
+
+
+def test_something_that_is_no_module_is_refused_by_name():
+    with pytest.raises(TypeError, match="graphed serves a torch.nn.Module's forward; got function"):
+        graphed(lambda images: images)
