@@ -292,6 +292,26 @@ class GraphConfig:
             )
         _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
+        if not self.compile:
+            self._check_compile_only_options()
+
+    def _check_compile_only_options(self) -> None:
+        """Refuse what only compiled capture reads: ``compiled_ratio``, and ``align``
+        of a pow2 ladder (which compiling refines into a geometric one)."""
+        for where, choice in (
+            ("budgets", self.budgets),
+            *((f"paths.{path}", choice) for path, choice in self.paths.items()),
+        ):
+            compiled_only = ["compiled_ratio"]
+            if choice.budgets is None and choice.ladder == "pow2":
+                compiled_only.append("align")
+            for name in compiled_only:
+                value = getattr(choice, name)
+                if value is not None and value != _BUDGET_DEFAULTS[name]:
+                    raise ValueError(
+                        f"{where}.{name}={value!r} is read only by compiled capture here, "
+                        "and compile is False: drop it, or set compile=True"
+                    )
 
     @classmethod
     def from_options(
@@ -321,13 +341,29 @@ class GraphConfig:
             path: choice
             if isinstance(choice, BudgetConfig)
             else BudgetConfig.from_mapping(
-                f"paths.{path}", {**_as_mapping(budgets), **_as_mapping(choice, f"paths.{path}")}
+                f"paths.{path}",
+                _path_mapping(_as_mapping(budgets), _as_mapping(choice, f"paths.{path}")),
             )
             for path, choice in (paths or {}).items()
         }
         if splitting_ops is not None:
             options["splitting_ops"] = splitting_ops
         return cls(budgets=base, paths=path_budgets, **options)
+
+
+def _path_mapping(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    """A path's budget keys: its own, then those of ``budgets`` that still apply to
+    the path's ladder (an explicit ladder of its own inherits none)."""
+    if own.get("budgets") is not None:
+        return dict(own)
+    inherited = dict(base)
+    if own.keys() & {"ladder", "min_budget", "max_budget"}:
+        inherited.pop("budgets", None)  # the path generates its own ladder
+    ladder = own.get("ladder", inherited.get("ladder", BudgetConfig.ladder))
+    for name, ladders in _LADDER_OPTIONS.items():
+        if ladder not in ladders:
+            inherited.pop(name, None)
+    return {**inherited, **own}
 
 
 def _as_mapping(choice: Any, field_name: str = "budgets") -> dict[str, Any]:

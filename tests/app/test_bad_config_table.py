@@ -287,6 +287,16 @@ PYTHON_ROWS = [
         "compiled_ratio",
     ),
     ("BudgetConfig pow2 ratio", lambda: BudgetConfig(ratio=1.5), "ratio=1.5 applies only"),
+    (
+        "config pow2 align uncompiled",
+        graph_config(budgets={"align": 10**9}),
+        "budgets.align=1000000000 is read only by compiled capture",
+    ),
+    (
+        "config compiled_ratio uncompiled",
+        graph_config(paths={"local": {"compiled_ratio": 1.2}}),
+        "paths.local.compiled_ratio=1.2 is read only by compiled capture",
+    ),
     ("BudgetConfig pow2 k", lambda: BudgetConfig(k=4), "k=4 applies only"),
     (
         "BudgetConfig pow2 auto_sample_batches",

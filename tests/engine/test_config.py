@@ -1,0 +1,34 @@
+"""GraphConfig's budget choices: what a path's entry inherits from ``budgets``."""
+
+from lightning_cg.engine.config import BudgetConfig, GraphConfig
+
+
+def test_a_path_entry_inherits_only_what_applies_to_its_own_ladder():
+    config = GraphConfig.from_options(
+        budgets={"min_budget": 8, "ladder": "geometric", "ratio": 1.5},
+        paths={"local": {"ladder": "pow2"}, "global": {"max_budget": 64}},
+    )
+    assert config.paths["local"] == BudgetConfig(min_budget=8, ladder="pow2")
+    assert config.paths["global"] == BudgetConfig(
+        min_budget=8, max_budget=64, ladder="geometric", ratio=1.5
+    )
+
+
+def test_an_explicit_ladder_of_a_path_stands_alone():
+    config = GraphConfig.from_options(
+        budgets={"min_budget": 8, "ladder": "auto", "k": 4}, paths={"local": {"budgets": [16, 32]}}
+    )
+    assert config.paths["local"] == BudgetConfig(budgets=[16, 32])
+    assert config.budgets == BudgetConfig(min_budget=8, ladder="auto", k=4)
+
+
+def test_a_path_generating_its_ladder_drops_the_global_explicit_one():
+    config = GraphConfig.from_options(
+        budgets={"budgets": [8, 16]}, paths={"local": {"max_budget": 64}}
+    )
+    assert config.paths["local"] == BudgetConfig(max_budget=64)
+
+
+def test_compile_only_options_are_accepted_with_compile():
+    config = GraphConfig.from_options(budgets={"align": 32, "compiled_ratio": 1.2}, compile=True)
+    assert (config.budgets.align, config.budgets.compiled_ratio) == (32, 1.2)
