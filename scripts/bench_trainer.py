@@ -58,8 +58,9 @@ else:
 
 import torch  # noqa: E402
 
+from bench.report import plot_speedups  # noqa: E402
 from bench.trainer.checks import tolerance  # noqa: E402
-from bench.trainer.rows import merge_rows, read_rows, write_json  # noqa: E402
+from bench.trainer.rows import merge_rows, read_rows, speedup_bars, write_json  # noqa: E402
 from bench.trainer.runs import COMPILE, METHODS, TrainerSettings  # noqa: E402
 from bench.trainer.suite import BenchSettings, run_benchmark  # noqa: E402
 from bench.trainer.workloads import (  # noqa: E402
@@ -166,6 +167,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "h200-trainer.json")
     parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the rows (merged or run) as bars of speed-up over eager, a PNG",
+    )
+    parser.add_argument(
         "--from-json",
         nargs="+",
         type=Path,
@@ -234,10 +241,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows = merge_rows(rows, read_rows(path, check=True))
         write_json(args.output, rows)
         print(f"{len(rows)} rows in {args.output}")
-        return rows
-    settings = resolve_settings(args)
-    rows = run_benchmark(settings)
-    print(f"{len(rows)} rows merged into {settings.output}")
+    else:
+        settings = resolve_settings(args)
+        rows = run_benchmark(settings)
+        print(f"{len(rows)} rows merged into {settings.output}")
+    if args.plot is not None and plot_speedups(speedup_bars(rows), args.plot) is not None:
+        print(f"plot in {args.plot}")
     return rows
 
 

@@ -331,3 +331,26 @@ def _calls_ms(row: Mapping[str, Any], method: str) -> str | None:
     if first is None or median is None:
         return None
     return f"{method} {first * 1e3:.2f} / {median * 1e3:.2f} ms"
+
+
+def speedup_bars(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as :func:`bench.report.plot_speedups` draws them: per workload, batches
+    and run, the callback's and torch.compile's speed-up over eager."""
+    bars = []
+    for row in rows:
+        name = f"{row['workload']} {row['batches'] or ''} {row['run']}".replace("  ", " ")
+        eager, compiled = row.get("eager_tower_s"), row.get("compile_tower_s")
+        for method, speedup in (
+            ("lightning-cg", row.get("vs_eager")),
+            ("torch.compile reduce-overhead", eager / compiled if eager and compiled else None),
+        ):
+            bars.append(
+                {
+                    "workload": name,
+                    "method": method,
+                    "vs_eager": speedup,
+                    "device": "Trainer",
+                    "dtype": "tower seconds per run",
+                }
+            )
+    return bars

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the top-level bench package, however pytest was started
 
 import bench.trainer.suite  # noqa: E402
-from bench.trainer.rows import ROW_KEYS, merge_rows  # noqa: E402
+from bench.trainer.rows import ROW_KEYS, merge_rows, speedup_bars  # noqa: E402
 from bench.trainer.runs import TrainerSettings, predict_runs, validate_runs  # noqa: E402
 from bench.trainer.workloads import (  # noqa: E402
     MULTISCALE_BATCHES,
@@ -338,3 +338,28 @@ def test_check_fails_when_multiscale_outputs_differ(tmp_path, one_thread, monkey
     monkeypatch.setattr(bench.trainer.suite, "validate_runs", spoiled_validate_runs)
     with pytest.raises(SystemExit, match="third run, batch 3: relative difference 5.0e-01"):
         bench_trainer_here(tmp_path, *TINY_MULTISCALE, "--check")
+
+
+def test_merged_rows_are_drawn_as_speedups_of_the_callback_and_torch_compile(tmp_path):
+    row = {key: None for key in ROW_KEYS} | {
+        "workload": "vit_b_16/batch_8",
+        "batches": 100,
+        "run": "second",
+        "eager_tower_s": 0.6,
+        "callback_tower_s": 0.2,
+        "vs_eager": 3.0,
+        "compile_tower_s": 0.3,
+    }
+    bars = speedup_bars([row])
+    assert [(bar["method"], bar["vs_eager"]) for bar in bars] == [
+        ("lightning-cg", 3.0),
+        ("torch.compile reduce-overhead", pytest.approx(2.0)),
+    ]
+    assert {bar["workload"] for bar in bars} == {"vit_b_16/batch_8 100 second"}
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([row]))
+    plot = tmp_path / "trainer.png"
+    load_script().main(
+        ["--from-json", str(rows), f"--output={tmp_path / 'merged.json'}", f"--plot={plot}"]
+    )
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
