@@ -23,9 +23,9 @@ class GraphStats:
     eagerly; piecewise hits are the hits served by PIECEWISE pieces. Padded
     tokens are the budget rows a replay computed beyond the real ones. Graphs
     count the CUDA graphs held: one per FULL key, one per piece of a PIECEWISE
-    key; graphs captured those of this run. Pool bytes are the CUDA memory the
-    captures reserved (the graphs' shared pool, their static input buffers and
-    the low-precision weight copies they read): what graphs cost beyond eager.
+    key; graphs captured those of this run. Pool bytes are how much reserved CUDA
+    memory grew while capturing (the graphs' shared pool, their static input
+    buffers, the weight copies they read); blocks the allocator held free hide.
     Host seconds add up the host time of replays (metadata, copies, launch,
     clone; nothing waits for the GPU), launch seconds the part of it spent in
     the graph launch itself (the CUDA driver's work, not the manager's); compile

@@ -73,3 +73,5 @@ def test_a_tower_of_independent_rows_is_checked_once_and_replays():
     for x, out in zip(batches, outputs, strict=True):
         torch.testing.assert_close(out, eager(tower, x), rtol=1e-5, atol=1e-6)
     assert manager.stats.hits == 3 and manager.stats.eager_rows_interact == 0
+    # One graph (budget 4), checked at its first padded replay only.
+    assert (manager.stats.checked_replays, manager.stats.checked_tokens) == (1, 3)
