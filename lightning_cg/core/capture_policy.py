@@ -6,10 +6,13 @@ expected from it and either
 - the calls known to come (the rest of the run when its length is known, and
   the runs known to follow, such as a fit's later validation runs) are
   expected to repay its capture, or
-- the eager time already spent on it, over every run so far, reaches what its
-  capture is expected to cost (ski rental: whatever comes next, a key costs at
-  most about twice what the better choice in hindsight would have, and keys
-  that recur run after run end up captured).
+- the eager time already spent on it reaches what its capture is expected to
+  cost (ski rental: whatever comes next, a key costs at most about twice what
+  the better choice in hindsight would have, and keys that recur run after run
+  end up captured). In a run of known length only the time spent in earlier
+  runs counts: a key the rest of this run cannot repay is captured at its
+  first sighting of a later run, which has the whole run to repay it, rather
+  than late in this one.
 
 A graph measured slower than its key's eager runs sends the key back to eager.
 
@@ -81,6 +84,8 @@ class KeyRecord:
     real_tokens: int = 0
     #: Eager seconds spent on the key's sightings, as estimated when each was seen.
     eager_spent: float = 0.0
+    #: ``eager_spent`` when the current run began.
+    spent_before_run: float = 0.0
     eager_seconds_per_token: list[float] = field(default_factory=list)
     graph_seconds: list[float] = field(default_factory=list)
     capture_ratio: float | None = None
@@ -161,6 +166,8 @@ class CapturePolicy:
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._later_runs = later_runs or 0
+        for record in self._keys.values():
+            record.spent_before_run = record.eager_spent
 
     def called(self) -> None:
         """The tower was called once."""
@@ -235,7 +242,8 @@ class CapturePolicy:
         if gain <= 0:
             return NO_GAIN
         cost = self.capture_estimate(record)
-        if self.known_sightings(record) * gain >= cost or record.eager_spent >= cost:
+        spent = record.eager_spent if self._expected_calls is None else record.spent_before_run
+        if self.known_sightings(record) * gain >= cost or spent >= cost:
             return CAPTURE
         return WAIT
 

@@ -194,12 +194,15 @@ class CallRunner:
         self.stats.piecewise_hits += graph.pieces is not None
         self.stats.real_tokens += total
         self.stats.padded_tokens += key.descriptor.num_tokens - total
+        items = len(sub_batch.indices)
         if self.config.verify and not graph.verified:
             check_replay(graph, path, rows, self._eager(call, path, sub_batch))
-        padded = _padded(graph, total, len(sub_batch.indices))
+            # The same comparison checks the padding: rows that interact fail it.
+            graph.rows_checked = graph.rows_checked or _padded(graph, total, items)
+        padded_unchecked = not graph.rows_checked and _padded(graph, total, items)
         compiled_unchecked = self.on_compiled_mismatch is not None and not graph.verified
-        if compiled_unchecked or (padded and not graph.rows_checked):
-            rows = self._checked_against_eager(call, route, path, sub_batch, rows, padded)
+        if compiled_unchecked or padded_unchecked:
+            rows = self._checked_against_eager(call, route, path, sub_batch, rows, padded_unchecked)
         call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
 
     def _checked_against_eager(

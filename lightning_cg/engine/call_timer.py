@@ -2,8 +2,12 @@
 
 On CUDA a run is bracketed by two events on the current stream; the elapsed
 time is read once the end event has completed (:meth:`CallTimer.collect`
-polls, it never synchronises unless asked to). On the CPU a clock is read
-around the run. Only the few runs the capture policy asks about are timed.
+polls, it never synchronises unless asked to). A run costs the longer of that
+GPU time and the host time spent launching it: events alone under-time a run
+whose kernels queued behind earlier work while the host was still launching
+them, and a launch-bound eager run would look cheaper than it is. On the CPU a
+clock is read around the run. Only the few runs the capture policy asks about
+are timed.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class CallTimer:
     """Times runs and hands each duration in seconds to a callback once known."""
 
     def __init__(self) -> None:
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, Record]] = deque()
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, float, Record]] = deque()
         # Asked once: without a GPU, torch asks NVML anew on every call (host time).
         self._cuda = torch.cuda.is_available()
 
@@ -45,23 +49,24 @@ class CallTimer:
             start.record()
         started = time.perf_counter()
         yield timing
+        host_seconds = time.perf_counter() - started
         if start is None or not timing.on_cuda:
-            record(time.perf_counter() - started)
+            record(host_seconds)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((start, end, record))
+        self._pending.append((start, end, host_seconds, record))
 
     def collect(self, wait: bool = False) -> None:
         """Hand over the durations of completed runs (of all, waiting for them, if ``wait``)."""
         while self._pending:
-            start, end, record = self._pending[0]
+            start, end, host_seconds, record = self._pending[0]
             if wait:
                 end.synchronize()
             elif not end.query():
                 return
             self._pending.popleft()
-            record(start.elapsed_time(end) / 1000.0)
+            record(max(start.elapsed_time(end) / 1000.0, host_seconds))
 
     def clear(self) -> None:
         """Drop the runs not collected yet."""

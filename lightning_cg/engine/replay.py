@@ -78,7 +78,8 @@ def check_replay(
         raise RuntimeError(
             f"graph replay differs from eager on {where}: relative error {error:.3e} > "
             f"{tolerance:.0e}. The tower reads something at capture time that changes "
-            "between calls (a Python scalar, a host tensor, a data-dependent shape)."
+            "between calls (a Python scalar, a host tensor, a data-dependent shape), "
+            "or its rows interact, so padding the batch changed the real rows."
         )
     graph.verified = True
 

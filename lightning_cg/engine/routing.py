@@ -70,6 +70,7 @@ class SubBatch:
             tokens = self._tokens[path] = [spec.path_tokens.get(path, 0) for spec in self.specs]
         return tokens
 
+
 @dataclass(frozen=True)
 class Route:
     """How one path of one sub-batch runs: a graph, or eagerly.

@@ -110,26 +110,45 @@ def test_unknown_length_captures_once_the_eager_time_spent_reaches_the_capture_c
     assert policy.estimates("a")["eager_spent_s"] == pytest.approx(0.01 * 7)
 
 
-def test_short_runs_that_repeat_capture_their_recurring_keys():
+def test_short_runs_that_repeat_capture_their_recurring_keys_at_a_runs_start():
     # Runs of 4 calls never repay a capture alone, but the eager time they
-    # spend adds up: the second run captures, the third runs on the graph.
+    # spend adds up: 30 ms after one run, 70 ms after two, against a 50 ms
+    # capture. A run of known length counts only the earlier runs' time, so
+    # the key is captured at the first sighting of the third run, not late in
+    # the second (which could not repay it).
     policy = policy_for(expected_calls=4)
     decisions = []
     for _ in range(3):
         policy.begin_run(expected_calls=4)
         decisions.append([see(policy, "a", eager_s=0.01) for _ in range(4)])
-    assert CAPTURE not in decisions[0]
-    assert CAPTURE in decisions[1]
+    assert decisions[0] == decisions[1] == [WAIT] * 4
+    assert decisions[2][0] == CAPTURE
 
 
-def test_multi_scale_validation_captures_every_resolution_by_the_third_run():
-    # Four resolutions cycling, 48 batches a run, three runs of one Trainer; the
-    # process has not captured before (the first capture costs 4 x 5 eager runs).
-    policy = policy_for(expected_calls=48, captured_before=False)
+def test_a_run_of_unknown_length_captures_once_the_spent_time_reaches_the_cost_mid_run():
+    # The same key and timings, but runs of unknown length: ski rental within
+    # the run, at the sighting that brings the time spent to the cost.
+    policy = policy_for(expected_calls=None)
+    decisions = []
+    for _ in range(2):
+        policy.begin_run(expected_calls=None)
+        decisions.append([see(policy, "a", eager_s=0.01) for _ in range(4)])
+    assert decisions[0] == [WAIT] * 4
+    assert decisions[1] == [WAIT, CAPTURE, CAPTURE, CAPTURE]
+
+
+@pytest.mark.parametrize("batches, capture_run", [(48, 2), (100, 1)])
+def test_multi_scale_validation_captures_every_resolution_by_the_third_run(batches, capture_run):
+    # Four resolutions cycling, three runs of one Trainer; the process has not
+    # captured before (the first capture costs 4 x 5 eager runs). No run
+    # captures late in itself: every side is captured at its first sighting
+    # of the run whose start finds enough eager time spent on it.
+    policy = policy_for(expected_calls=batches, captured_before=False)
     captured: dict[str, int] = {}
+    captured_at_call: dict[str, int] = {}
     for run in range(3):
-        policy.begin_run(expected_calls=48)
-        for call in range(48):
+        policy.begin_run(expected_calls=batches)
+        for call in range(batches):
             key = f"side_{call % 4}"
             if key in captured:
                 policy.called()
@@ -137,9 +156,10 @@ def test_multi_scale_validation_captures_every_resolution_by_the_third_run():
                 continue
             if see(policy, key, eager_s=0.006, size=16) == CAPTURE:
                 captured[key] = run
+                captured_at_call[key] = call
                 policy.record_capture(key, 0.2 if not captured or len(captured) == 1 else 0.02)
-    assert set(captured) == {f"side_{side}" for side in range(4)}
-    assert max(captured.values()) <= 1  # all captured before the third run
+    assert captured == {f"side_{side}": capture_run for side in range(4)}
+    assert sorted(captured_at_call.values()) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("later_runs, captured_at", [(None, None), (0, None), (1, 1)])
@@ -344,12 +364,16 @@ def test_manager_lets_a_fit_validation_run_pay_for_the_runs_known_to_follow(monk
     for output in run_calls(manager, inputs, 10):
         torch.testing.assert_close(output, expected)
     assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 9)
-    # Without it, 8 x a third < 5: the key waits until its eager runs add up to
-    # the capture's cost (about its sixth call; CPU timings move it a little).
+    # Without it, 8 x a third < 5: the run stays eager. Its eager time spent
+    # (9 eager runs) exceeds the capture's cost, so the next run captures at
+    # its first call.
     _, alone, inputs, _ = toy_manager(drop_slower_graphs=False)
     alone.begin_run(expected_calls=10)
     run_calls(alone, inputs, 10)
-    assert alone.stats.eager_no_graph_yet > 1 and alone.is_captured()
+    assert alone.stats.eager_no_graph_yet == 10 and not alone.is_captured()
+    alone.begin_run(expected_calls=10)
+    run_calls(alone, inputs, 2)
+    assert (alone.stats.eager_no_graph_yet, alone.stats.hits) == (0, 2)
 
 
 def test_manager_sends_a_key_whose_graph_is_slower_back_to_eager():

@@ -75,3 +75,35 @@ def test_a_tower_of_independent_rows_is_checked_once_and_replays():
     assert manager.stats.hits == 3 and manager.stats.eager_rows_interact == 0
     # One graph (budget 4), checked at its first padded replay only.
     assert (manager.stats.checked_replays, manager.stats.checked_tokens) == (1, 3)
+
+
+class CountingAdapter(BatchedEncoderAdapter):
+    """Counts the eager runs of the tower."""
+
+    eager_runs = 0
+
+    def eager_forward(self, path, inputs):
+        CountingAdapter.eager_runs += 1
+        return super().eager_forward(path, inputs)
+
+
+def test_verify_checks_a_padded_first_replay_with_one_eager_run():
+    adapter = CountingAdapter(RowsInteract("independent"))
+    manager = EncoderGraphManager(
+        adapter, budgets={"budgets": [4, 8]}, capture="upfront", verify=True
+    )
+    CountingAdapter.eager_runs = 0
+    with torch.no_grad():
+        for x in (torch.randn(3, 6), torch.randn(3, 6)):
+            manager.execute(adapter.inputs_from_call((x,), {}))
+    assert CountingAdapter.eager_runs == 1
+    assert manager.stats.hits == 2
+
+
+def test_verify_raises_on_a_padded_replay_of_rows_that_interact():
+    adapter = BatchedEncoderAdapter(RowsInteract("batch_mean"))
+    manager = EncoderGraphManager(
+        adapter, budgets={"budgets": [4, 8]}, capture="upfront", verify=True
+    )
+    with torch.no_grad(), pytest.raises(RuntimeError, match="or its rows interact"):
+        manager.execute(adapter.inputs_from_call((torch.randn(3, 6),), {}))
