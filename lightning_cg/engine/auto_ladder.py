@@ -18,7 +18,7 @@ from lightning_cg.core.learned_budgets import choose_budgets, expected_padding
 from lightning_cg.core.packing import pack_items
 from lightning_cg.engine.config import BudgetConfig
 from lightning_cg.engine.encoder import ItemSpec
-from lightning_cg.engine.plan import PathPlan, cap_items, next_pow2
+from lightning_cg.engine.plan import PlanRef, next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class AutoLadder:
 
     Args:
         choices: each path's budget choice.
-        plans: the path plans, whose budgets (and item cap) learning replaces.
+        plans: the current plan, whose budgets (and item cap) learning replaces.
         max_items: the item cap before learning, the most the learned one may be.
         learn_max_items: whether learning may lower the item cap (not when the
             user set the cap, the frames or the uniform item counts).
@@ -37,7 +37,7 @@ class AutoLadder:
     def __init__(
         self,
         choices: Mapping[str, BudgetConfig],
-        plans: Mapping[str, PathPlan],
+        plans: PlanRef,
         max_items: int,
         learn_max_items: bool,
     ) -> None:
@@ -47,7 +47,7 @@ class AutoLadder:
         self._learn_max_items = learn_max_items
         #: The (min, max) budgets of each auto path.
         self._ranges = {
-            path: (plans[path].budgets[0], plans[path].budgets[-1])
+            path: (plans.plan.paths[path].budgets[0], plans.plan.paths[path].budgets[-1])
             for path, choice in choices.items()
             if choice.ladder == AUTO_LADDER
         }
@@ -83,7 +83,7 @@ class AutoLadder:
         max_items = self._max_items_limit
         if not self._ranges:
             return max_items
-        max_budgets = {path: plan.budgets[-1] for path, plan in self.plans.items()}
+        max_budgets = {path: plan.budgets[-1] for path, plan in self.plans.plan.paths.items()}
         sums: dict[str, list[int]] = {path: [] for path in self._ranges}
         most_items = 0
         for batch in batches:
@@ -93,12 +93,12 @@ class AutoLadder:
                     path_sums.append(sum(batch[i].get(path, 0) for i in sub_batch))
         if self._learn_max_items and most_items:
             max_items = min(self._max_items_limit, next_pow2(most_items))
-            cap_items(self.plans, max_items)
+            self.plans.plan = self.plans.plan.with_max_items(max_items)
             log.info("sub-batches hold at most %d item(s), as many as the sample needs", max_items)
         for path, (min_budget, max_budget) in self._ranges.items():
             choice = self._choices[path]
             budgets = choose_budgets(sums[path], choice.k, min_budget, max_budget, choice.align)
-            self.plans[path].set_budgets(budgets)
+            self.plans.update(path, self.plans.plan.paths[path].with_budgets(budgets))
             padding = expected_padding(sums[path], budgets)
             self.learned[path] = {
                 "budgets": budgets,
@@ -117,4 +117,4 @@ class AutoLadder:
 
     def learned_ladders(self) -> dict[str, list[int]]:
         """The current ladder of each auto path."""
-        return {path: self.plans[path].budgets for path in self._ranges}
+        return {path: list(self.plans.plan.paths[path].budgets) for path in self._ranges}

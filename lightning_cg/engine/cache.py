@@ -9,7 +9,7 @@ budget share their input buffers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,8 @@ class CapturedGraph:
     spec: CaptureSpec
     buffers: dict[str, torch.Tensor]
     run: Callable[[], torch.Tensor]
+    #: The adapter's padding rule by buffer name (``zero`` for the others).
+    padding_rules: Mapping[str, str]
     cuda_graph: torch.cuda.CUDAGraph | None = None
     #: A FULL graph's static output, which each replay of ``cuda_graph`` overwrites.
     output: torch.Tensor | None = None
@@ -85,7 +87,7 @@ class CapturedGraph:
     static_inputs: StaticInputs = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.static_inputs = StaticInputs(self.buffers)
+        self.static_inputs = StaticInputs(self.buffers, self.padding_rules)
 
     @property
     def num_cuda_graphs(self) -> int:

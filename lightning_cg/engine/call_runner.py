@@ -1,8 +1,9 @@
 """CallRunner: run one call of the tower, sub-batch by sub-batch.
 
-A call's items are packed into sub-batches that fit the budgets; the
-:class:`~lightning_cg.engine.routing.Router` says how each path of a sub-batch runs
-(a graph, or eagerly); graphs are replayed at once
+The call's plan (:meth:`~lightning_cg.engine.plan.Plan.call_plan`, remembered per
+call shape) packs its items into sub-batches and gives each path of each the
+key of its graph; the :class:`~lightning_cg.engine.routing.Router` says how the
+path runs (that graph, or eagerly); graphs are replayed at once
 and every all-eager sub-batch runs together in one eager call, timed where the
 capture policy still needs eager times. The rows are kept per sub-batch
 (:class:`~lightning_cg.engine.outputs.CallOutputs`). Whether a call may use graphs at
@@ -13,14 +14,12 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightning_cg.core.capture_policy import CapturePolicy
-from lightning_cg.core.memo import StateMemo
-from lightning_cg.core.packing import pack_items
 from lightning_cg.core.stats import GraphStats
 from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphSet
 from lightning_cg.engine.call_timer import CallTimer
@@ -28,7 +27,7 @@ from lightning_cg.engine.capture import GraphCapturer
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.engine.outputs import CallOutputs
-from lightning_cg.engine.plan import PathPlan
+from lightning_cg.engine.plan import PlanRef
 from lightning_cg.engine.replay import (
     autocast_key,
     check_replay,
@@ -45,37 +44,31 @@ class CallRunner:
     Args:
         encoder: the adapter around the tower.
         config: the graph options.
-        paths: the path plans.
+        plans: the current plan.
         cache: the captured graphs.
         capturer: captures the keys the router decides to capture.
         policy: the capture policy, told of every call and of the times measured.
         stats: the counters of served calls.
-        max_items: the item cap of a sub-batch (``router.max_items`` from then on).
-        padding_rules: the adapter's padding rule by static buffer name.
     """
 
     def __init__(
         self,
         encoder: GraphableEncoder,
         config: GraphConfig,
-        paths: Mapping[str, PathPlan],
+        plans: PlanRef,
         cache: GraphCache,
         capturer: GraphCapturer,
         policy: CapturePolicy,
         stats: GraphStats,
-        max_items: int,
-        padding_rules: Mapping[str, str],
     ) -> None:
         self.encoder = encoder
         self.config = config
-        self.paths = paths
+        self.plans = plans
+        self.path_names = tuple(plans.plan.paths)
         self.policy = policy
         self.stats = stats
-        self.padding_rules = padding_rules
         self.timer = CallTimer()
-        #: Sub-batches by call shape; shared lists, never changed.
-        self._packings: StateMemo[list[list[int]]] = StateMemo()
-        self.router = Router(config, paths, cache, capturer, policy, stats, self.timer, max_items)
+        self.router = Router(config, plans, cache, capturer, policy, stats, self.timer)
         #: Called with a description when a compiled graph's first replay differs
         #: from eager; None while graphs are not compiled. Its rows are then eager's.
         self.on_compiled_mismatch: Callable[[str], None] | None = None
@@ -99,18 +92,16 @@ class CallRunner:
         call = _Call(graph_set, torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
         eager_items: list[int] = []
         eager_routes: list[Route] = []
-        for indices in self._pack(specs):
-            sub_batch = self._sub_batch(inputs, indices, specs)
+        for planned in self.plans.plan.call_plan(graph_set, specs):
+            sub_batch = self._sub_batch(inputs, planned.indices, specs)
             self.stats.sub_batches += 1
-            routes = {
-                path: self.router.route(call.graph_set, path, sub_batch) for path in self.paths
-            }
-            if all(route.eager for route in routes.values()):
+            routes = [self.router.route(path_route, sub_batch) for path_route in planned.routes]
+            if all(route.eager for route in routes):
                 # Eager sub-batches run together below: one eager call, not one each.
-                eager_items += indices
-                eager_routes += routes.values()
+                eager_items += planned.indices
+                eager_routes += routes
                 continue
-            for path, route in routes.items():
+            for path, route in zip(self.path_names, routes, strict=True):
                 if route.graph is not None:
                     self._run_graph(call, route, path, sub_batch)
                 elif route.tokens:
@@ -124,29 +115,10 @@ class CallRunner:
     def _sub_batch(self, inputs: Any, indices: list[int], specs: list[ItemSpec]) -> SubBatch:
         return SubBatch(self.encoder, inputs, len(specs), indices, [specs[i] for i in indices])
 
-    def _pack(self, specs: list[ItemSpec]) -> list[list[int]]:
-        """The sub-batches of the call's items, remembered per call shape: packing
-        depends on the items' tokens, the item cap and the budgets alone (a
-        plan's dispatcher is replaced whenever its budgets change)."""
-        item_tokens = [spec.path_tokens for spec in specs]
-        shape = tuple(tuple(tokens.items()) for tokens in item_tokens)
-        state = (self.router.max_items, *(plan.dispatcher for plan in self.paths.values()))
-        return self._packings.get(shape, state, lambda: self._pack_now(item_tokens))
-
-    def _pack_now(self, item_tokens: list[dict[str, int]]) -> list[list[int]]:
-        max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
-        ladders = {path: plan.ladder for path, plan in self.paths.items()}
-        packed = pack_items(
-            item_tokens, self.router.max_items, max_budgets, self.config.packing, budgets=ladders
-        )
-        # Items in call order: a graph does not care, and consecutive items are
-        # selected as views (every item of the call: the call itself), not gathered.
-        return [sorted(indices) for indices in packed]
-
     def _run_eagerly(self, call: _Call, sub_batch: SubBatch) -> bool:
         """Run every path of one sub-batch eagerly; whether any rows are on CUDA."""
         on_cuda = False
-        for path in self.paths:
+        for path in self.path_names:
             tokens = sub_batch.tokens(path)
             if any(tokens):
                 rows = self._eager(call, path, sub_batch)
@@ -165,7 +137,7 @@ class CallRunner:
             self._run_eagerly(call, sub_batch)
             return
         total = sum(route.tokens for route in routes) or 1
-        path_tokens = {path: sum(sub_batch.tokens(path)) for path in self.paths}
+        path_tokens = {path: sum(sub_batch.tokens(path)) for path in self.path_names}
 
         def record(seconds: float) -> None:
             for route in timed:
@@ -181,13 +153,12 @@ class CallRunner:
     def _run_graph(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
         key, graph, total = route.key, route.graph, route.tokens
         started = time.perf_counter()
-        encoder, rules, stats = self.encoder, self.padding_rules, self.stats
         if self.policy.wants_graph_timing(key):
             with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
-                rows = replay(graph, encoder, rules, path, sub_batch.inputs, total, stats)
+                rows = replay(graph, self.encoder, sub_batch.inputs, total, self.stats)
                 t.on_cuda = rows.is_cuda
         else:
-            rows = replay(graph, encoder, rules, path, sub_batch.inputs, total, stats)
+            rows = replay(graph, self.encoder, sub_batch.inputs, total, self.stats)
         self.stats.host_seconds += time.perf_counter() - started
         # Counted once served: a replay that raised (a bad input) is no hit.
         self.stats.hits += 1

@@ -40,7 +40,7 @@ from lightning_cg.engine.faults import (
 )
 from lightning_cg.engine.piecewise import PiecewiseSplit, PiecewiseUnsupported, split_graph_forward
 from lightning_cg.engine.piecewise_graph import PiecewiseGraph
-from lightning_cg.engine.plan import PathPlan
+from lightning_cg.engine.plan import PathPlan, PlanRef
 from lightning_cg.engine.replay import graph_context
 from lightning_cg.engine.weight_casts import WeightCasts
 
@@ -67,7 +67,7 @@ class GraphCapturer:
         encoder: the adapter whose graph forward is captured.
         config: the graph configuration (``capture_errors``, ``piecewise_fallback``,
             ``splitting_ops``).
-        plans: the path plans, changed in place by faults.
+        plans: the current plan, which faults replace.
         cache: where captured graphs go.
         stats: counts graphs and capture seconds.
         progress: called after each capture as ``progress(done, total, spec)``.
@@ -79,7 +79,7 @@ class GraphCapturer:
         self,
         encoder: GraphableEncoder,
         config: GraphConfig,
-        plans: Mapping[str, PathPlan],
+        plans: PlanRef,
         cache: GraphCache,
         stats: GraphStats,
         progress: ProgressFn | None = None,
@@ -95,10 +95,11 @@ class GraphCapturer:
         self.cache = cache
         self.stats = stats
         self.progress = progress
+        self.padding_rules = encoder.graph_config().padding_rules
         #: The capture error that turned every path eager (``capture_errors="eager"``).
         self.capture_error: str | None = None
 
-    def capture(self, keys: Sequence[GraphKey], max_items: int) -> float:
+    def capture(self, keys: Sequence[GraphKey]) -> float:
         """Capture those of ``keys`` not captured yet; returns the seconds it took.
 
         Keys a fault rules out (a dropped budget, an eager path) are skipped.
@@ -113,7 +114,7 @@ class GraphCapturer:
         stats = self.stats
         graphs_before = self.cache.num_cuda_graphs
         with graph_context():
-            self._capture_recovering(list(keys), max_items)
+            self._capture_recovering(list(keys))
         if self.cache.has_pool:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
@@ -124,12 +125,12 @@ class GraphCapturer:
         stats.graphs = self.cache.num_cuda_graphs
         return seconds
 
-    def _capture_recovering(self, keys: list[GraphKey], max_items: int) -> None:
+    def _capture_recovering(self, keys: list[GraphKey]) -> None:
         out_of_memory: dict[str, list[int]] = {}
         paths = sorted({key.path for key in keys})
         while True:
             try:
-                failure = self._capture_keys(self._still_wanted(keys), max_items)
+                failure = self._capture_keys(self._still_wanted(keys))
             except PiecewiseUnsupported as error:
                 self._fall_back(paths, error)
                 keys = [key for key in keys if key.mode is not GraphMode.PIECEWISE]
@@ -146,8 +147,8 @@ class GraphCapturer:
             if fault.kind == OUT_OF_MEMORY:
                 budget = key.descriptor.num_tokens
                 out_of_memory.setdefault(key.path, []).append(budget)
-                plan = self.plans[key.path]
-                plan.keep_budgets_below(budget)
+                plan = self.plans.plan.paths[key.path].below(budget)
+                self.plans.update(key.path, plan)
                 # Graphs of every signature at the dropped budgets are of no use any more.
                 self.cache.drop([key.path], from_budget=0 if plan.eager_reason else budget)
             else:
@@ -159,18 +160,17 @@ class GraphCapturer:
     def _still_wanted(self, keys: list[GraphKey]) -> list[GraphKey]:
         """Keys not captured whose path still graphs their budget, largest first
         (smaller graphs reuse the pool blocks of larger ones)."""
+        paths = self.plans.plan.paths
         wanted = [
             key
             for key in keys
             if key not in self.cache
-            and self.plans[key.path].eager_reason is None
-            and key.descriptor.num_tokens in self.plans[key.path].budgets
+            and paths[key.path].eager_reason is None
+            and key.descriptor.num_tokens in paths[key.path].budgets
         ]
         return sorted(wanted, key=lambda key: -key.descriptor.num_tokens)
 
-    def _capture_keys(
-        self, keys: list[GraphKey], max_items: int
-    ) -> tuple[GraphKey, CaptureFault] | None:
+    def _capture_keys(self, keys: list[GraphKey]) -> tuple[GraphKey, CaptureFault] | None:
         """Capture ``keys`` in turn; the first that fails with a known fault, and the fault.
 
         On a fault the keys this call captured are dropped again, so that their
@@ -178,8 +178,9 @@ class GraphCapturer:
         """
         captured: list[GraphKey] = []
         for done, key in enumerate(keys, start=1):
-            spec = self.plans[key.path].capture_spec(
-                key.path, key.mode, key.descriptor, key.graph_set.signature, max_items
+            plan = self.plans.plan
+            spec = plan.paths[key.path].capture_spec(
+                key.path, key.mode, key.descriptor, key.graph_set.signature, plan.max_items
             )
             try:
                 graph = self._capture_one(key.mode, spec)
@@ -204,16 +205,16 @@ class GraphCapturer:
     def _capture_one(self, runtime_mode: GraphMode, spec: CaptureSpec) -> CapturedGraph:
         buffers = self.cache.share_buffers(spec, self.encoder.capture_inputs(spec))
         pool = self.cache.pool() if _on_cuda(buffers) else None
+        rules = self.padding_rules
         if runtime_mode is GraphMode.PIECEWISE:
             pieces = PiecewiseGraph(self._split_tower(spec.path, buffers), buffers, pool)
-            return CapturedGraph(spec, buffers, run=pieces.run, pieces=pieces)
+            return CapturedGraph(spec, buffers, pieces.run, rules, pieces=pieces)
         if pool is None:
             run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
-            return CapturedGraph(spec, buffers, run=run)
+            return CapturedGraph(spec, buffers, run, rules)
         cuda_graph, output = self._record(spec.path, buffers, pool)
-        return CapturedGraph(
-            spec, buffers, run=_replayer(cuda_graph, output), cuda_graph=cuda_graph, output=output
-        )
+        run = _replayer(cuda_graph, output)
+        return CapturedGraph(spec, buffers, run, rules, cuda_graph=cuda_graph, output=output)
 
     def _record(
         self, path: str, buffers: dict[str, torch.Tensor], pool: object
@@ -308,12 +309,11 @@ class GraphCapturer:
             stacklevel=2,
         )
         for path in paths:
-            plan = self.plans[path]
-            plan.dispatcher = plan.dispatcher.replace(mode=mode)
+            self.plans.update(path, self.plans.plan.paths[path].with_mode(mode))
         self.cache.drop(paths, mode=GraphMode.PIECEWISE)
 
     def _run_eagerly(self, path: str, fault: CaptureFault) -> None:
-        self.plans[path].eager_reason = str(fault)
+        self.plans.update(path, self.plans.plan.paths[path].eager(str(fault)))
         self.cache.drop([path])
         warnings.warn(
             f"EncoderGraphManager: capturing path {path!r} failed: {fault.cause} "
@@ -325,9 +325,11 @@ class GraphCapturer:
     def stop_capturing(self, fault: CaptureFault) -> None:
         """Every path eager from now on, after an error no fallback is known for."""
         self.capture_error = str(fault)
-        for plan in self.plans.values():
-            plan.eager_reason = self.capture_error
-        self.cache.drop(list(self.plans))
+        paths = self.plans.plan.paths
+        self.plans.plan = self.plans.plan.with_paths(
+            {path: plan.eager(self.capture_error) for path, plan in paths.items()}
+        )
+        self.cache.drop(list(paths))
         warnings.warn(
             f"EncoderGraphManager: capturing graphs failed: {fault.error}; every path runs "
             "eagerly from now on (capture_errors='eager').",
@@ -336,12 +338,12 @@ class GraphCapturer:
         )
 
     def _warn_out_of_memory(self, path: str, budgets: list[int]) -> None:
-        plan = self.plans[path]
+        plan = self.plans.plan.paths[path]
         if plan.eager_reason is not None:
             outcome = f"path {path!r} runs eagerly"
         else:
             outcome = (
-                f"path {path!r} keeps budgets {plan.budgets}: larger sub-batches are split "
+                f"path {path!r} keeps budgets {list(plan.budgets)}: larger sub-batches are split "
                 f"and items above {plan.budgets[-1]} tokens run eagerly"
             )
         failed = ", then ".join(str(budget) for budget in budgets)

@@ -20,7 +20,7 @@ from lightning_cg.engine.capture import GraphCapturer
 from lightning_cg.engine.compiled import CompiledEncoder, compiled_encoder_for
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder
-from lightning_cg.engine.plan import PathPlan, use_ladders
+from lightning_cg.engine.plan import PlanRef, use_ladders
 from lightning_cg.engine.weight_casts import weight_casts_for
 
 
@@ -40,7 +40,7 @@ class CompileLifecycle:
     """
 
     # The parts whose plans compiling changes, handed over by connect().
-    _paths: Mapping[str, PathPlan]
+    _plans: PlanRef
     _budget_choices: Mapping[str, BudgetConfig]
     _capturer: GraphCapturer
     _capture_policy: CapturePolicy
@@ -61,7 +61,7 @@ class CompileLifecycle:
 
     def connect(
         self,
-        paths: Mapping[str, PathPlan],
+        plans: PlanRef,
         budget_choices: Mapping[str, BudgetConfig],
         capturer: GraphCapturer,
         capture_policy: CapturePolicy,
@@ -72,14 +72,14 @@ class CompileLifecycle:
         plan compiled graphs now. Called once, before the first call.
 
         Args:
-            paths: the path plans, whose ladders compiled graphs refine.
+            plans: the current plan, whose ladders compiled graphs refine.
             budget_choices: each path's budget choice, which the ladders come from.
             capturer: holds the weight copies uncompiled graphs read.
             capture_policy: told whether graphs fuse work.
             runner: runs the calls, and checks compiled graphs' first replays.
             clear: drops every graph, buffer and the pool (the manager's ``clear``).
         """
-        self._paths = paths
+        self._plans = plans
         self._budget_choices = budget_choices
         self._capturer = capturer
         self._capture_policy = capture_policy
@@ -110,7 +110,7 @@ class CompileLifecycle:
         if not self.compiled_encoder.static_shapes:
             use_ladders(
                 self.encoder,
-                self._paths,
+                self._plans,
                 self._budget_choices,
                 self.config.max_items_per_batch,
                 compiled,

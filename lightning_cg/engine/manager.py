@@ -8,7 +8,8 @@ done by parts with one job each, which this façade wires together and whose
 lifecycle (runs, clearing, learning budgets) it keeps:
 
 - :class:`~lightning_cg.engine.config.GraphConfig`: the validated options;
-- :mod:`lightning_cg.engine.plan`: each path's budgets and dispatcher;
+- :mod:`lightning_cg.engine.plan`: the immutable plan (each path's budgets and
+  dispatcher, the item cap) and the call plans it remembers per call shape;
 - :class:`~lightning_cg.engine.cache.GraphCache`: what is captured, by named key;
 - :class:`~lightning_cg.core.capture_policy.CapturePolicy`: whether a key is worth
   capturing now (on demand, once its replays are expected to repay it);
@@ -28,7 +29,7 @@ pieces, scatter) without capture. The manager knows nothing of Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from lightning_cg.engine.compiling import CompileLifecycle
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.engine.piecewise import check_ops_registered
-from lightning_cg.engine.plan import path_budget_choices, plan_paths
+from lightning_cg.engine.plan import PathPlan, PlanRef, path_budget_choices, plan_paths
 from lightning_cg.engine.replay import autocast_key
 from lightning_cg.engine.weight_casts import WeightCasts, weight_casts_for
 
@@ -95,11 +96,13 @@ class EncoderGraphManager:
         encoder = self.encoder = self.compiling.encoder
         self.encoder_config = encoder.graph_config()
         choices = path_budget_choices(self.encoder_config, self.config)
-        self.paths, max_items = plan_paths(encoder, self.config, choices)
+        #: The current plan, replaced as a whole whenever it changes.
+        self.plans = PlanRef(plan_paths(encoder, self.config, choices))
+        max_items = self.plans.plan.max_items
         self.cache = GraphCache()
         weight_casts = weight_casts_for(encoder, self.config.cast_weights_per_run)
         self.capturer = GraphCapturer(
-            encoder, self.config, self.paths, self.cache, self.stats, progress, weight_casts
+            encoder, self.config, self.plans, self.cache, self.stats, progress, weight_casts
         )
         self.policy = CapturePolicy(
             first_use=self.config.capture in ("first_use", "upfront"),
@@ -107,7 +110,7 @@ class EncoderGraphManager:
         )
         self.auto_ladder = AutoLadder(
             choices,
-            self.paths,
+            self.plans,
             max_items,
             # The user's cap, frames or uniform counts fix the item cap.
             learn_max_items=all(
@@ -120,19 +123,11 @@ class EncoderGraphManager:
             ),
         )
         self.runner = CallRunner(
-            encoder,
-            self.config,
-            self.paths,
-            self.cache,
-            self.capturer,
-            self.policy,
-            self.stats,
-            max_items,
-            self.encoder_config.padding_rules,
+            encoder, self.config, self.plans, self.cache, self.capturer, self.policy, self.stats
         )
-        # Compiling changes these parts' plans as it starts and ends (compile=True: now).
+        # Compiling changes the plan as it starts and ends (compile=True: now).
         self.compiling.connect(
-            self.paths, choices, self.capturer, self.policy, self.runner, self.clear
+            self.plans, choices, self.capturer, self.policy, self.runner, self.clear
         )
 
     # ------------------------------------------------------------- public API
@@ -154,13 +149,14 @@ class EncoderGraphManager:
         return self.capturer.weight_casts
 
     @property
+    def paths(self) -> Mapping[str, PathPlan]:
+        """Each path's current plan."""
+        return self.plans.plan.paths
+
+    @property
     def max_items(self) -> int:
         """The most items of one sub-batch."""
-        return self.runner.router.max_items
-
-    @max_items.setter
-    def max_items(self, max_items: int) -> None:
-        self.runner.router.max_items = max_items
+        return self.plans.plan.max_items
 
     @property
     def learned_budgets(self) -> dict[str, dict[str, Any]]:
@@ -215,7 +211,7 @@ class EncoderGraphManager:
         Returns:
             The learned ladder of each auto path (empty without one).
         """
-        self.max_items = self.auto_ladder.learn(batches)
+        self.auto_ladder.learn(batches)
         self.clear()
         return self.auto_ladder.learned_ladders()
 
@@ -229,7 +225,7 @@ class EncoderGraphManager:
             if self.paths[path].eager_reason is None
             for key in path_keys(graph_set, path, self.paths[path])
         ]
-        self.capturer.capture(keys, self.max_items)
+        self.capturer.capture(keys)
 
     # -------------------------------------------------------------- execution
 
@@ -272,9 +268,7 @@ class EncoderGraphManager:
         """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
         if not self.auto_ladder.sampling or not specs:
             return False
-        max_items = self.auto_ladder.add_batch(specs)
-        if max_items is None:
+        if self.auto_ladder.add_batch(specs) is None:
             return True
-        self.max_items = max_items
         self.clear()
         return False

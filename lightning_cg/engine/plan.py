@@ -1,28 +1,34 @@
-"""The path plan: each encoder path's budgets, dispatcher and graph sizes.
+"""The plan: what the manager knows of its paths between calls, and each call's plan.
 
-A :class:`PathPlan` is what the manager knows of one path between calls: the
-token budgets it graphs, the dispatcher that maps a sub-batch to a key, how
-many attention sequences (frames) its graphs hold, and, after a capture
-fault, why it runs eagerly. Plans change in three places only, each a method
-here: a budget that ran out of memory is dropped (:meth:`PathPlan.keep_budgets_below`),
-an auto ladder is learned (:meth:`PathPlan.set_budgets`), and the item cap is
-lowered (:func:`cap_items`).
+A :class:`Plan` is immutable: each path's token budgets, dispatcher and graph
+sizes (a :class:`PathPlan`, with why the path runs eagerly after a capture
+fault), and the item cap of a sub-batch. What changes it (a capture fault, a
+learned ladder, compiling) makes a new one and puts it in the manager's
+:class:`PlanRef`. A plan remembers the :class:`CallPlan` of every call shape
+it has seen (a signature and the items' tokens and frames): how the call's
+items are packed into sub-batches and which key serves each path of each.
+Those depend on the plan alone, so they are dropped with it, as a whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_cg.core.budgets import AUTO_LADDER, resolve_budgets
 from lightning_cg.core.dispatcher import BatchDescriptor, CudagraphDispatcher, GraphMode
+from lightning_cg.core.packing import pack_items
 from lightning_cg.engine.budget_memory import check_budgets_fit
+from lightning_cg.engine.cache import GraphKey, GraphSet
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
-from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder
+from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder, ItemSpec
+
+#: Call plans a plan remembers before it starts over (mixed sizes have many shapes).
+MAX_CALL_PLANS = 4096
 
 
-@dataclass
+@dataclass(frozen=True)
 class PathPlan:
     """Resolved budgets and dispatcher of one encoder path.
 
@@ -36,7 +42,7 @@ class PathPlan:
             fault), else None.
     """
 
-    budgets: list[int]
+    budgets: tuple[int, ...]
     dispatcher: CudagraphDispatcher
     allow_zero_tokens: bool
     item_frames: int
@@ -47,20 +53,40 @@ class PathPlan:
     @property
     def ladder(self) -> list[int]:
         """The budgets packing may fill; zero is one of its own for optional paths."""
-        return ([0] if self.allow_zero_tokens else []) + self.budgets
+        return ([0] if self.allow_zero_tokens else []) + list(self.budgets)
 
-    def set_budgets(self, budgets: list[int]) -> None:
-        """Graph ``budgets`` from now on (a learned or reduced ladder)."""
-        self.budgets = budgets
-        self.dispatcher = self.dispatcher.replace(budgets=budgets)
+    def with_budgets(self, budgets: Sequence[int]) -> PathPlan:
+        """This plan graphing ``budgets`` (a learned or reduced ladder)."""
+        budgets = tuple(budgets)
+        dispatcher = self.dispatcher.replace(budgets=list(budgets))
+        return dataclasses.replace(self, budgets=budgets, dispatcher=dispatcher, _graph_frames={})
 
-    def keep_budgets_below(self, failed_budget: int) -> None:
-        """Keep the budgets below ``failed_budget``; with none left, run eagerly."""
+    def below(self, failed_budget: int) -> PathPlan:
+        """This plan without the budgets from ``failed_budget`` on; eager with none left."""
         kept = [budget for budget in self.budgets if budget < failed_budget]
         if kept:
-            self.set_budgets(kept)
-        else:
-            self.eager_reason = f"out of memory at its smallest token budget {failed_budget}"
+            return self.with_budgets(kept)
+        return self.eager(f"out of memory at its smallest token budget {failed_budget}")
+
+    def eager(self, reason: str) -> PathPlan:
+        """This path run eagerly for ``reason``."""
+        return dataclasses.replace(self, eager_reason=reason)
+
+    def with_mode(self, mode: GraphMode) -> PathPlan:
+        """This plan dispatching by ``mode``."""
+        return dataclasses.replace(self, dispatcher=self.dispatcher.replace(mode=mode))
+
+    def with_max_items(self, max_items: int) -> PathPlan:
+        """This plan holding at most ``max_items`` items, and their frames in a FULL graph."""
+        max_frames = max_items * self.item_frames
+        slot_counts = mixed_slot_counts(max_items, max_frames, self.item_frames)
+        dispatcher = self.dispatcher.replace(
+            uniform_item_counts=pow2_counts(max_items),
+            mixed_item_counts=slot_counts if self.dispatcher.mixed_item_counts else (),
+        )
+        return dataclasses.replace(
+            self, dispatcher=dispatcher, max_frames=max_frames, _graph_frames={}
+        )
 
     def capture_spec(
         self,
@@ -76,11 +102,8 @@ class PathPlan:
         return CaptureSpec(path, desc.num_tokens, items, frames, signature)
 
     def graph_frames(self, runtime_mode: GraphMode, desc: BatchDescriptor, max_items: int) -> int:
-        """Attention sequences (frames) the graph of a key holds.
-
-        Looked up on every call, so remembered per key and frame limit.
-        """
-        remembered = (runtime_mode, desc, max_items, self.max_frames)
+        """Attention sequences (frames) the graph of a key holds (remembered per key)."""
+        remembered = (runtime_mode, desc, max_items)
         frames = self._graph_frames.get(remembered)
         if frames is None:
             frames = self._graph_frames[remembered] = self._frames_of(runtime_mode, desc, max_items)
@@ -99,6 +122,153 @@ class PathPlan:
             return self.max_frames
         # A mixed key of fewer items: as many sequence slots as they need.
         return min(items * self.item_frames, self.max_frames)
+
+
+@dataclass(frozen=True)
+class PathRoute:
+    """One path of one sub-batch in a call plan: the key that serves it, or why none.
+
+    ``reason`` is set when ``key`` is None and the path has tokens: ``misses``
+    (graphs off, or the path runs eagerly) or ``above_budget``.
+    """
+
+    path: str
+    total: int
+    key: GraphKey | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SubBatchPlan:
+    """The items of one sub-batch (their positions in the call) and each path's route."""
+
+    indices: list[int]
+    routes: tuple[PathRoute, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The paths' plans, the item cap of a sub-batch, and the call plans they give.
+
+    Attributes:
+        paths: each path's plan.
+        max_items: the most items of one sub-batch.
+        mode: the configured graph mode (``none``: every path eager).
+        packing: how items are packed into sub-batches.
+    """
+
+    paths: Mapping[str, PathPlan]
+    max_items: int
+    mode: GraphMode
+    packing: str
+    _calls: dict = field(default_factory=dict, repr=False, compare=False)
+    _keys: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def with_path(self, path: str, plan: PathPlan) -> Plan:
+        """This plan with ``plan`` for ``path``."""
+        return self.with_paths({**self.paths, path: plan})
+
+    def with_paths(self, paths: Mapping[str, PathPlan]) -> Plan:
+        """This plan with ``paths``."""
+        return Plan(dict(paths), self.max_items, self.mode, self.packing)
+
+    def with_max_items(self, max_items: int) -> Plan:
+        """This plan holding at most ``max_items`` items in a sub-batch.
+
+        A FULL graph's attention is launched for every sequence slot it holds,
+        empty or not, so an auto ladder lowers the cap to what its sample needs.
+        """
+        paths = {path: plan.with_max_items(max_items) for path, plan in self.paths.items()}
+        return Plan(paths, max_items, self.mode, self.packing)
+
+    def call_plan(self, graph_set: GraphSet, specs: Sequence[ItemSpec]) -> list[SubBatchPlan]:
+        """The sub-batches of a call and each one's routes, remembered per call shape."""
+        shape = (graph_set, tuple((tuple(s.path_tokens.items()), s.num_frames) for s in specs))
+        call = self._calls.get(shape)
+        if call is None:
+            if len(self._calls) >= MAX_CALL_PLANS:
+                self._calls.clear()
+            call = self._calls[shape] = self._plan_call(graph_set, specs)
+        return call
+
+    def _plan_call(self, graph_set: GraphSet, specs: Sequence[ItemSpec]) -> list[SubBatchPlan]:
+        item_tokens = [spec.path_tokens for spec in specs]
+        max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
+        ladders = {path: plan.ladder for path, plan in self.paths.items()}
+        packed = pack_items(item_tokens, self.max_items, max_budgets, self.packing, ladders)
+        sub_batches = []
+        # Items in call order: a graph does not care, and consecutive items are
+        # selected as views (every item of the call: the call itself), not gathered.
+        for indices in map(sorted, packed):
+            routes = []
+            for path in self.paths:
+                tokens = [item_tokens[i].get(path, 0) for i in indices]
+                frames = sum(specs[i].num_frames for i in indices)
+                routes.append(self._route(graph_set, path, tokens, frames))
+            sub_batches.append(SubBatchPlan(indices, tuple(routes)))
+        return sub_batches
+
+    def _route(self, graph_set: GraphSet, path: str, tokens: list[int], frames: int) -> PathRoute:
+        total = sum(tokens)
+        if total == 0:
+            return PathRoute(path, 0, None)
+        key = self.key(graph_set, path, tokens, frames)
+        if key is not None:
+            return PathRoute(path, total, key)
+        eager = self.mode is GraphMode.NONE or self.paths[path].eager_reason is not None
+        return PathRoute(path, total, None, "misses" if eager else "above_budget")
+
+    def key(
+        self, graph_set: GraphSet, path: str, tokens: Sequence[int], frames: int
+    ) -> GraphKey | None:
+        """The key of the graph that holds a sub-batch's ``tokens`` (per item) and
+        ``frames`` on ``path``, or None (no graph holds it, or the path is eager)."""
+        plan = self.paths[path]
+        if self.mode is GraphMode.NONE or plan.eager_reason is not None:
+            return None
+        shape = (graph_set, path, sum(tokens), len(tokens), len(set(tokens)) == 1, frames)
+        if shape not in self._keys:
+            desc = BatchDescriptor(sum(tokens), len(tokens), len(set(tokens)) == 1)
+            self._keys[shape] = self._find_key(graph_set, path, plan, desc, frames)
+        return self._keys[shape]
+
+    def _find_key(
+        self, graph_set: GraphSet, path: str, plan: PathPlan, desc: BatchDescriptor, frames: int
+    ) -> GraphKey | None:
+        runtime_mode, found = plan.dispatcher.dispatch(desc)
+        if not self._holds_frames(plan, runtime_mode, found, frames):
+            # More attention sequences than the key's graph holds (items of
+            # several frames): a mixed key with as many slots, else no FULL key.
+            slots = min(-(-frames // plan.item_frames), self.max_items)
+            runtime_mode, found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
+            if not self._holds_frames(plan, runtime_mode, found, frames):
+                runtime_mode, found = plan.dispatcher.dispatch(desc, disable_full=True)
+        if runtime_mode is GraphMode.NONE or found is None:
+            return None
+        if frames > plan.graph_frames(runtime_mode, found, self.max_items):
+            return None  # only items with more frames than max_frames_per_item
+        return GraphKey(graph_set, path, runtime_mode, found)
+
+    def _holds_frames(
+        self, plan: PathPlan, runtime_mode: GraphMode, desc: BatchDescriptor | None, frames: int
+    ) -> bool:
+        """False only for a FULL key whose graph has fewer sequence slots than ``frames``."""
+        if runtime_mode is not GraphMode.FULL or desc is None:
+            return True
+        return frames <= plan.graph_frames(runtime_mode, desc, self.max_items)
+
+
+class PlanRef:
+    """The manager's current plan, which the parts that change it replace as a whole."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def update(self, path: str, plan: PathPlan) -> None:
+        """Plan ``path`` by ``plan`` from now on."""
+        self.plan = self.plan.with_path(path, plan)
 
 
 def path_budget_choices(
@@ -156,7 +326,7 @@ def compiled_choice(choice: BudgetConfig) -> BudgetConfig:
 
 def use_ladders(
     encoder: GraphableEncoder,
-    plans: Mapping[str, PathPlan],
+    ref: PlanRef,
     choices: Mapping[str, BudgetConfig],
     user_max_items: int | None,
     compiled: bool,
@@ -164,19 +334,19 @@ def use_ladders(
     """Give each path the ladder of its choice, refined by :func:`compiled_choice`
     when ``compiled``, within the budgets it kept (a budget dropped for lack of
     memory stays dropped). Paths whose choice has no compiled ladder keep theirs."""
-    for path, plan in plans.items():
+    for path, plan in ref.plan.paths.items():
         refined = compiled_choice(choices[path])
         if refined is choices[path] or plan.eager_reason is not None:
             continue
         choice = refined if compiled else choices[path]
         budgets, _ = resolve_path(encoder, path, choice, user_max_items)
-        plan.set_budgets([budget for budget in budgets if budget <= plan.budgets[-1]])
+        ref.update(path, plan.with_budgets([b for b in budgets if b <= plan.budgets[-1]]))
 
 
 def plan_paths(
     encoder: GraphableEncoder, config: GraphConfig, choices: Mapping[str, BudgetConfig]
-) -> tuple[dict[str, PathPlan], int]:
-    """Every path's plan, and the item cap of a sub-batch (the tightest path's).
+) -> Plan:
+    """The plan of every path, with the item cap of a sub-batch (the tightest path's).
 
     Raises:
         ValueError: a path's largest budget cannot fit any memory in reach
@@ -197,7 +367,7 @@ def plan_paths(
         # ladder at max_items (the seed's 'only max_items' branch).
         budgets, _ = resolve_path(encoder, path, choices[path], user_max_items)
         plans[path] = PathPlan(
-            budgets=budgets,
+            budgets=tuple(budgets),
             dispatcher=CudagraphDispatcher(
                 config.mode,
                 budgets,
@@ -208,24 +378,8 @@ def plan_paths(
             item_frames=frames_per_item,
             max_frames=max_frames,
         )
-    check_budgets_fit(encoder, {path: plan.budgets for path, plan in plans.items()}, config)
-    return plans, max_items
-
-
-def cap_items(plans: Mapping[str, PathPlan], max_items: int) -> None:
-    """Hold at most ``max_items`` items in a sub-batch, and their frames in a FULL graph.
-
-    A FULL graph's attention is launched for every sequence slot it holds,
-    empty or not, so an auto ladder lowers the cap to what its sample needs.
-    """
-    counts = pow2_counts(max_items)
-    for plan in plans.values():
-        plan.max_frames = max_items * plan.item_frames
-        slot_counts = mixed_slot_counts(max_items, plan.max_frames, plan.item_frames)
-        plan.dispatcher = plan.dispatcher.replace(
-            uniform_item_counts=counts,
-            mixed_item_counts=slot_counts if plan.dispatcher.mixed_item_counts else (),
-        )
+    check_budgets_fit(encoder, {path: list(plan.budgets) for path, plan in plans.items()}, config)
+    return Plan(plans, max_items, config.mode, config.packing)
 
 
 def next_pow2(count: int) -> int:
@@ -252,8 +406,3 @@ def mixed_slot_counts(max_items: int, max_frames: int, frames_per_item: int) -> 
         for count in pow2_counts(max_items)
         if count < max_items and count * frames_per_item < max_frames
     ] + [max_items]
-
-
-def frames_fit_items(frames: int, plan: PathPlan, max_items: int) -> int:
-    """Item slots that hold ``frames`` attention sequences, at most ``max_items``."""
-    return min(-(-frames // plan.item_frames), max_items)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,8 +29,6 @@ TF32_TOLERANCE = 5e-3
 def replay(
     graph: CapturedGraph,
     encoder: GraphableEncoder,
-    padding_rules: Mapping[str, str],
-    path: str,
     inputs: Any,
     total: int,
     stats: GraphStats | None = None,
@@ -40,7 +38,8 @@ def replay(
 
     With ``stats``, the launch's host seconds are added to ``stats.launch_seconds``.
     """
-    graph.static_inputs.fill(encoder.replay_inputs(path, inputs), padding_rules, path)
+    path = graph.spec.path
+    graph.static_inputs.fill(encoder.replay_inputs(path, inputs), path)
     launched = time.perf_counter()
     if graph.output is not None:
         graph.cuda_graph.replay()  # directly: one frame less on every replay

@@ -1,31 +1,28 @@
-"""Routing: which graph runs one path of a sub-batch, or why it runs eagerly.
+"""Routing: whether one path of a sub-batch replays a graph or runs eagerly, and why.
 
-For each path of a sub-batch the :class:`Router` looks up the key its plan's
-dispatcher gives, finds the key's graph in the cache or asks the capture
-policy whether capturing it now pays. It only
+The call plan (:mod:`lightning_cg.engine.plan`) gives each path of a sub-batch
+the key of the graph that holds it. The :class:`Router` finds the key's graph
+in the cache, or asks the capture policy whether capturing it now pays. It only
 decides: running the route is the
-:class:`~lightning_cg.engine.call_runner.CallRunner`'s job. Routing reads the items'
-sizes, not their tensors, so a sub-batch that runs eagerly is never gathered
-(see :class:`SubBatch`).
+:class:`~lightning_cg.engine.call_runner.CallRunner`'s job. Routing reads the
+items' sizes, not their tensors, so a sub-batch that runs eagerly is never
+gathered (see :class:`SubBatch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from lightning_cg.core.capture_policy import CAPTURE, NO_GAIN, CapturePolicy
-from lightning_cg.core.dispatcher import BatchDescriptor, GraphMode
-from lightning_cg.core.memo import StateMemo
 from lightning_cg.core.stats import GraphStats
-from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
+from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey
 from lightning_cg.engine.call_timer import CallTimer
 from lightning_cg.engine.capture import GraphCapturer, path_keys
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.engine.plan import PathPlan, frames_fit_items
+from lightning_cg.engine.plan import PathRoute, PlanRef
 
 
 class SubBatch:
@@ -93,35 +90,31 @@ class Router:
 
     Args:
         config: the graph options.
-        paths: the path plans (shared with the capturer, which changes them on faults).
+        plans: the current plan (the capturer replaces it on faults).
         cache: the captured graphs.
         capturer: captures keys, recovering from faults.
         policy: whether a key is worth capturing, and whether a graph is slower than eager.
         stats: counters of eager runs by reason.
         timer: CUDA-event timings the policy learns from.
-        max_items: the item cap of a sub-batch (the manager updates it).
     """
 
     def __init__(
         self,
         config: GraphConfig,
-        paths: Mapping[str, PathPlan],
+        plans: PlanRef,
         cache: GraphCache,
         capturer: GraphCapturer,
         policy: CapturePolicy,
         stats: GraphStats,
         timer: CallTimer,
-        max_items: int,
     ) -> None:
         self.config = config
-        self.paths = paths
+        self.plans = plans
         self.cache = cache
         self.capturer = capturer
         self.policy = policy
         self.stats = stats
         self.timer = timer
-        self.max_items = max_items
-        self._keys: StateMemo[GraphKey | None] = StateMemo()
         #: Keys whose padded graph differed from eager: served eagerly for good.
         self._eager_keys: set[GraphKey] = set()
 
@@ -129,71 +122,21 @@ class Router:
         """Run ``key`` eagerly from now on (its graph stays until the cache is cleared)."""
         self._eager_keys.add(key)
 
-    def route(self, graph_set: GraphSet, path: str, sub_batch: SubBatch) -> Route:
-        """How ``path`` of ``sub_batch`` runs: which graph, or eagerly and why (counted)."""
-        tokens = sub_batch.tokens(path)
-        total = sum(tokens)
-        if total == 0:
-            return Route(tokens=0)
-        plan = self.paths[path]
-        if self.config.mode is GraphMode.NONE or plan.eager_reason is not None:
-            self.stats.misses += 1
-            return Route(tokens=total)
-        key = self.key(graph_set, path, sub_batch.specs, tokens)
+    def route(self, planned: PathRoute, sub_batch: SubBatch) -> Route:
+        """How the planned path of ``sub_batch`` runs: its graph, or eagerly and why (counted)."""
+        key, total = planned.key, planned.total
         if key is None:
-            self.stats.count_eager("above_budget")
+            if planned.reason == "misses":
+                self.stats.misses += 1
+            elif planned.reason:
+                self.stats.count_eager(planned.reason)
             return Route(tokens=total)
-        self.policy.sighted(key, path, key.descriptor.num_tokens, total)
+        self.policy.sighted(key, key.path, key.descriptor.num_tokens, total)
         graph, reason = self._graph_for(key, sub_batch)
         if graph is None:
             self.stats.count_eager(reason)
             return Route(key=key, tokens=total)
         return Route(key=key, graph=graph, tokens=total)
-
-    def key(
-        self, graph_set: GraphSet, path: str, specs: list[ItemSpec], tokens: list[int]
-    ) -> GraphKey | None:
-        """The key of the graph that holds the sub-batch (its tokens and frames), or None."""
-        plan = self.paths[path]
-        shape = (sum(tokens), len(tokens), len(set(tokens)) == 1)
-        frames = sum(spec.num_frames for spec in specs)
-        # The key depends on these alone: the dispatcher object is replaced
-        # whenever the plan's budgets, modes or item counts change.
-        state = (plan.dispatcher, plan.max_frames, self.max_items)
-        return self._keys.get(
-            (graph_set, path, shape, frames),
-            state,
-            lambda: self._find_key(graph_set, path, plan, BatchDescriptor(*shape), frames),
-        )
-
-    def _find_key(
-        self, graph_set: GraphSet, path: str, plan: PathPlan, desc: BatchDescriptor, frames: int
-    ) -> GraphKey | None:
-        runtime_mode, found = plan.dispatcher.dispatch(desc)
-        if not self._holds_frames(plan, runtime_mode, found, frames):
-            # More attention sequences than the key's graph holds (items of
-            # several frames): a mixed key with as many slots, else no FULL key.
-            slots = frames_fit_items(frames, plan, self.max_items)
-            runtime_mode, found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
-            if not self._holds_frames(plan, runtime_mode, found, frames):
-                runtime_mode, found = plan.dispatcher.dispatch(desc, disable_full=True)
-        if runtime_mode is GraphMode.NONE or found is None:
-            return None
-        if frames > plan.graph_frames(runtime_mode, found, self.max_items):
-            return None  # only items with more frames than max_frames_per_item
-        return GraphKey(graph_set, path, runtime_mode, found)
-
-    def _holds_frames(
-        self,
-        plan: PathPlan,
-        runtime_mode: GraphMode,
-        desc: BatchDescriptor | None,
-        frames: int,
-    ) -> bool:
-        """False only for a FULL key whose graph has fewer sequence slots than ``frames``."""
-        if runtime_mode is not GraphMode.FULL or desc is None:
-            return True
-        return frames <= plan.graph_frames(runtime_mode, desc, self.max_items)
 
     def _graph_for(self, key: GraphKey, sub_batch: SubBatch) -> tuple[CapturedGraph | None, str]:
         """The graph of ``key``, captured now if the policy says it pays; else why not."""
@@ -213,19 +156,22 @@ class Router:
         self._capture_key(key)
         # A fault may have changed the plan (a dropped budget, an eager path, a
         # mode without PIECEWISE keys): look again, and capture the key it gives.
-        rekey = self.key(key.graph_set, key.path, sub_batch.specs, sub_batch.tokens(key.path))
+        tokens = sub_batch.tokens(key.path)
+        frames = sum(spec.num_frames for spec in sub_batch.specs)
+        rekey = self.plans.plan.key(key.graph_set, key.path, tokens, frames)
         if rekey is not None and rekey != key and rekey not in self.cache:
             self._capture_key(rekey)
         graph = self.cache.get(rekey) if rekey is not None else None
         return graph, "" if graph is not None else "above_budget"
 
     def _capture_key(self, key: GraphKey) -> None:
-        plan = self.paths[key.path]
         # capture="upfront" captures a path's whole ladder at its first call.
-        whole_ladder = self.config.capture == "upfront"
-        keys = path_keys(key.graph_set, key.path, plan) if whole_ladder else [key]
+        if self.config.capture == "upfront":
+            keys = path_keys(key.graph_set, key.path, self.plans.plan.paths[key.path])
+        else:
+            keys = [key]
         compile_before = self.stats.compile_seconds
-        seconds = self.capturer.capture(keys, self.max_items)
+        seconds = self.capturer.capture(keys)
         # A compiled forward compiles at a path's first capture (with static
         # shapes, also at a new budget's): paid once, not by each further key.
         seconds -= self.stats.compile_seconds - compile_before

@@ -95,19 +95,23 @@ class StaticInputs:
 
     Args:
         buffers: the graph's static buffers by name.
+        padding_rules: each buffer's padding rule, fixed at capture (``zero``
+            for a buffer without one).
     """
 
-    def __init__(self, buffers: Mapping[str, torch.Tensor]) -> None:
-        self._buffers = [_Buffer(name, tensor) for name, tensor in buffers.items()]
+    def __init__(
+        self, buffers: Mapping[str, torch.Tensor], padding_rules: Mapping[str, str]
+    ) -> None:
+        self._buffers = [
+            _Buffer(name, tensor, padding_rules.get(name, "zero"))
+            for name, tensor in buffers.items()
+        ]
         self._names = frozenset(buffers)
         # Made at the first replay that brings host rows for a CUDA buffer.
         self._staging: HostStaging | None = None
 
-    def fill(
-        self, real: Mapping[str, torch.Tensor], padding_rules: Mapping[str, str], path: str
-    ) -> None:
-        """Write each buffer's rows of ``real`` at its head and pad the rest by its
-        rule in ``padding_rules`` (``zero`` when it has none).
+    def fill(self, real: Mapping[str, torch.Tensor], path: str) -> None:
+        """Write each buffer's rows of ``real`` at its head and pad the rest by its rule.
 
         Raises:
             RuntimeError: ``real`` lacks a buffer, or its rows do not fit the
@@ -119,7 +123,7 @@ class StaticInputs:
         pieces = real.pieces if isinstance(real, PieceRows) else _NO_PIECES
         staged = []
         for buffer in self._buffers:
-            rule = padding_rules.get(buffer.name, "zero")
+            rule = buffer.rule
             host_pieces = pieces.get(buffer.name)
             if host_pieces is not None:
                 if buffer.is_cuda:
@@ -183,13 +187,15 @@ class _Buffer:
         "name",
         "numpy_dtype",
         "row_capacity",
+        "rule",
         "row_shape",
         "tensor",
     )
 
-    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+    def __init__(self, name: str, tensor: torch.Tensor, rule: str) -> None:
         self.name = name
         self.tensor = tensor
+        self.rule = rule
         self.row_capacity = tensor.shape[0]
         self.row_shape = tensor.shape[1:]
         self.dtype = tensor.dtype

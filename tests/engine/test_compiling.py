@@ -61,11 +61,11 @@ def test_giving_up_restores_the_uncompiled_plans_at_the_next_call(monkeypatch):
     # A compile fails inside a capture: what is checked and expected changes now,
     # the plans and graphs stay until the next call.
     assert manager.runner.on_compiled_mismatch is None and not manager.policy.graphs_fuse_work
-    assert manager.paths["local"].budgets == compiled_ladder and manager.weight_casts is None
+    assert list(manager.paths["local"].budgets) == compiled_ladder and manager.weight_casts is None
     assert len(manager.cache) > 0
 
     compiling.before_call()
-    assert manager.paths["local"].budgets == UNCOMPILED_LADDER
+    assert list(manager.paths["local"].budgets) == UNCOMPILED_LADDER
     assert manager.weight_casts is not None and len(manager.cache) == 0
     call(manager)
     compiling.before_call()  # once only: the uncompiled graphs captured since stay
@@ -121,15 +121,15 @@ def test_a_compiled_graph_that_differs_from_eager_ends_compiling(monkeypatch):
     # The uncompiled forward serves from then on, with its weight copies and ladder.
     assert manager.stats.hits > 0 and len(manager.cache) > 0
     assert not manager.policy.graphs_fuse_work and manager.weight_casts is not None
-    assert manager.paths["local"].budgets == UNCOMPILED_LADDER
+    assert list(manager.paths["local"].budgets) == UNCOMPILED_LADDER
 
 
 def test_compiled_graphs_get_a_finer_ladder(monkeypatch):
     eager_backend(monkeypatch)
     tower = ToyTower().eval()
-    assert EncoderGraphManager(ToyEncoder(tower)).paths["local"].budgets == UNCOMPILED_LADDER
+    assert list(EncoderGraphManager(ToyEncoder(tower)).paths["local"].budgets) == UNCOMPILED_LADDER
     manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", compile=True)
-    assert manager.paths["local"].budgets == FINE_LADDER != UNCOMPILED_LADDER
+    assert list(manager.paths["local"].budgets) == FINE_LADDER != UNCOMPILED_LADDER
     calls(manager, tower, 5, seed=1)  # outputs still equal the tower's
     keys = {key.descriptor.num_tokens for key in manager.cache.keys()}
     assert keys <= set(FINE_LADDER) and keys - set(UNCOMPILED_LADDER)

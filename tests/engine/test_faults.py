@@ -193,7 +193,7 @@ def test_out_of_memory_keeps_the_budgets_below_the_failing_one(monkeypatch):
     # clear() only 16 and 8 again.
     assert encoder.captured == [("local", b) for b in (16, 32, 8, 16, 8)]
     assert len(freed) == 1
-    assert manager.paths["local"].budgets == [8, 16]
+    assert list(manager.paths["local"].budgets) == [8, 16]
     assert sorted(key.descriptor.num_tokens for key in manager.cache.keys()) == [8, 16]
     assert manager.stats.hits > 0 and manager.stats.misses > 0
 
@@ -212,7 +212,7 @@ def test_a_call_shape_seen_before_a_budget_was_dropped_is_packed_for_the_budgets
         # The same call again: two sub-batches within 16 tokens now, both replayed.
         run_and_compare(manager, tower, [[5, 7, 14]])
     assert manager.stats.hits == 2
-    assert manager.paths["local"].budgets == [8, 16]
+    assert list(manager.paths["local"].budgets) == [8, 16]
 
 
 def test_out_of_memory_at_every_budget_runs_the_path_eagerly_and_warns_once():
@@ -249,7 +249,7 @@ def test_the_callback_keeps_the_budgets_that_fit(monkeypatch):
     assert found and all("path 'local' at token budget" in warning for warning in found)
     assert not messages(caught, "capturing graphs failed")  # the rank did not turn eager
     assert callback.manager.capture_error is None and callback.last_stats["hits"] > 0
-    assert callback.manager.paths["local"].budgets == [8, 16]
+    assert list(callback.manager.paths["local"].budgets) == [8, 16]
     monkeypatch.undo()
     torch.testing.assert_close(graphed, predictions(), rtol=1e-5, atol=1e-6)
 
@@ -449,7 +449,7 @@ def test_cuda_out_of_memory_inside_a_capture_keeps_the_smaller_budgets():
             assert relative_error(run(manager, tokens, lengths), tower(tokens, lengths)) < 1e-5
     [warning] = messages(caught, "out of memory")
     assert "token budget 32" in warning
-    assert manager.paths["local"].budgets == [8, 16]
+    assert list(manager.paths["local"].budgets) == [8, 16]
     assert sorted(key.descriptor.num_tokens for key in manager.cache.keys()) == [8, 16]
     assert all(graph.cuda_graph is not None for graph in manager.cache.graphs())
     assert manager.stats.graphs == 2 and manager.stats.hits > 0

@@ -1,9 +1,81 @@
-"""Path plans: the ladder compiled graphs use (``compiled_ratio``)."""
+"""Plans: immutable, replaced as a whole when they change, each remembering its call
+plans; the ladder compiled graphs use (``compiled_ratio``)."""
+
+import dataclasses
+import warnings
 
 import pytest
+import torch
+from test_faults import FailingEncoder, out_of_memory
+from test_manager import run
+from toy_encoder import ToyEncoder, ToyTower
 
+from lightning_cg.engine.cache import GraphSet
 from lightning_cg.engine.config import BudgetConfig
+from lightning_cg.engine.manager import EncoderGraphManager
 from lightning_cg.engine.plan import compiled_choice
+
+LADDER = {"budgets": [8, 16, 32, 64]}
+
+
+def toy_call(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(sum(lengths), 8), torch.tensor(lengths)
+
+
+def call_plan(manager: EncoderGraphManager, lengths: list[int]):
+    inputs = manager.encoder.inputs_from_call(toy_call(lengths), {})
+    graph_set = GraphSet(manager.encoder.graph_signature(inputs))
+    return manager.plans.plan.call_plan(graph_set, manager.encoder.item_specs(inputs))
+
+
+def test_a_call_shape_is_planned_once_per_plan():
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets=LADDER)
+    first = call_plan(manager, [5, 7, 60])
+    assert call_plan(manager, [5, 7, 60]) is first
+    assert call_plan(manager, [5, 7, 61]) is not first
+    # Items packed into sub-batches within the budgets, each path keyed.
+    local = [route for sub_batch in first for route in sub_batch.routes if route.path == "local"]
+    assert sorted(route.total for route in local) == [12, 60]
+    assert sorted(route.key.descriptor.num_tokens for route in local) == [16, 64]
+
+
+def test_a_plan_cannot_be_changed_in_place():
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets=LADDER)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        manager.paths["local"].budgets = (8,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        manager.plans.plan.max_items = 1
+
+
+def test_a_learned_ladder_replaces_the_plan_and_its_call_plans():
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets={"ladder": "auto"})
+    before = manager.plans.plan
+    planned = call_plan(manager, [20, 90])
+    manager.learn_budgets([[{"local": 20}, {"local": 90}], [{"local": 33}]])
+    assert manager.plans.plan is not before
+    assert before.paths["local"].budgets != manager.paths["local"].budgets
+    assert call_plan(manager, [20, 90]) is not planned
+
+
+def test_a_fault_replaces_the_plan_and_the_next_call_is_planned_anew():
+    tower = ToyTower().eval()
+    encoder = FailingEncoder(
+        tower, lambda spec: (spec.path, spec.token_budget) == ("local", 32), out_of_memory
+    )
+    manager = EncoderGraphManager(encoder, budgets=LADDER, capture="first_use")
+    before = manager.plans.plan
+    planned = call_plan(manager, [30])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(manager, *toy_call([30]))  # budget 32 runs out of memory
+        replanned = call_plan(manager, [30])
+        tokens, lengths = toy_call([30])
+        torch.testing.assert_close(run(manager, tokens, lengths), tower(tokens, lengths))
+    assert list(before.paths["local"].budgets) == [8, 16, 32, 64]  # the old plan is intact
+    assert list(manager.paths["local"].budgets) == [8, 16]
+    assert replanned is not planned
+    [local] = [route for route in replanned[0].routes if route.path == "local"]
+    assert local.key is None and local.reason == "above_budget"
 
 
 @pytest.mark.parametrize(

@@ -49,11 +49,11 @@ def expected_buffer(rows: torch.Tensor, size: int, rule: str) -> torch.Tensor:
 def test_each_fill_rewrites_every_buffer_whole_by_its_rule(device):
     rng = random.Random(0)
     buffers = buffers_on(device)
-    static_inputs = StaticInputs(buffers)
+    static_inputs = StaticInputs(buffers, RULES)
     # Larger then smaller fills: rows of an earlier fill must not survive.
     for count in (16, 11, 3, 0, 7, 16, 1):
         rows = random_rows(rng, count)
-        static_inputs.fill(rows, RULES, "path")
+        static_inputs.fill(rows, "path")
         for name, buffer in buffers.items():
             expected = expected_buffer(rows[name], 16, RULES.get(name, "zero"))
             assert torch.equal(buffer.cpu(), expected), (name, count)
@@ -61,16 +61,16 @@ def test_each_fill_rewrites_every_buffer_whole_by_its_rule(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_that_do_not_fit_a_buffer_raise_and_name_it(device):
-    static_inputs = StaticInputs(buffers_on(device, size=4))
+    static_inputs = StaticInputs(buffers_on(device, size=4), RULES)
     rows = random_rows(random.Random(1), 4)
     with pytest.raises(RuntimeError, match=r"lacks buffer\(s\) \['features'\]"):
-        static_inputs.fill({k: v for k, v in rows.items() if k != "features"}, RULES, "path")
+        static_inputs.fill({k: v for k, v in rows.items() if k != "features"}, "path")
     with pytest.raises(RuntimeError, match=r"buffer 'positions' holds \(4, 2\); replay rows"):
-        static_inputs.fill({**rows, "positions": torch.zeros(5, 2, dtype=torch.int64)}, {}, "p")
+        static_inputs.fill({**rows, "positions": torch.zeros(5, 2, dtype=torch.int64)}, "p")
     with pytest.raises(RuntimeError, match=r"buffer 'positions' holds \(4, 2\); replay rows"):
-        static_inputs.fill({**rows, "positions": torch.zeros(4, 3, dtype=torch.int64)}, {}, "p")
+        static_inputs.fill({**rows, "positions": torch.zeros(4, 3, dtype=torch.int64)}, "p")
     with pytest.raises(RuntimeError, match="buffer 'offsets' is torch.int32 on"):
-        static_inputs.fill({**rows, "offsets": rows["offsets"].long()}, {}, "p")
+        static_inputs.fill({**rows, "offsets": rows["offsets"].long()}, "p")
 
 
 @pytest.mark.cuda
@@ -83,12 +83,12 @@ def test_cuda_staging_is_not_rewritten_before_the_gpu_has_read_it(private_stream
         monkeypatch.setattr(static_inputs_module, "_current_stream_id", None)
     rng = random.Random(2)
     buffers = buffers_on("cuda", size=64)
-    static_inputs = StaticInputs(buffers)
+    static_inputs = StaticInputs(buffers, RULES)
     filled, snapshots = [], []
     for _ in range(3 * MAX_STAGING_SLOTS):
         torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time before each copy
         rows = random_rows(rng, rng.randint(0, 64))
-        static_inputs.fill(rows, RULES, "path")
+        static_inputs.fill(rows, "path")
         filled.append(rows)
         # Queued after the copies: what the buffers held once they had run.
         snapshots.append({name: buffer.clone() for name, buffer in buffers.items()})
@@ -110,11 +110,11 @@ def in_pieces(rng: random.Random, rows: torch.Tensor) -> list[np.ndarray]:
 def test_rows_in_pieces_fill_each_buffer_as_the_stacked_rows_would(device):
     rng = random.Random(4)
     buffers = {name: buffers_on(device)[name] for name in ("offsets", "positions")}
-    static_inputs = StaticInputs(buffers)
+    static_inputs = StaticInputs(buffers, RULES)
     for count in (16, 11, 3, 0, 7, 16, 1):
         rows = random_rows(rng, count)
         pieces = {name: in_pieces(rng, rows[name]) for name in buffers}
-        static_inputs.fill(PieceRows({}, pieces), RULES, "path")
+        static_inputs.fill(PieceRows({}, pieces), "path")
         for name, buffer in buffers.items():
             expected = expected_buffer(rows[name], 16, RULES.get(name, "zero"))
             assert torch.equal(buffer.cpu(), expected), (name, count)
@@ -130,9 +130,9 @@ def test_rows_in_pieces_fill_each_buffer_as_the_stacked_rows_would(device):
     ],
 )
 def test_pieces_that_do_not_fit_a_buffer_raise_and_name_it(device, pieces):
-    static_inputs = StaticInputs({"positions": buffers_on(device, size=4)["positions"]})
+    static_inputs = StaticInputs({"positions": buffers_on(device, size=4)["positions"]}, {})
     with pytest.raises(RuntimeError, match=r"buffer 'positions' holds \(4, 2\)"):
-        static_inputs.fill(PieceRows({}, {"positions": pieces}), {}, "path")
+        static_inputs.fill(PieceRows({}, {"positions": pieces}), "path")
 
 
 def test_piece_rows_read_as_a_mapping_of_tensors():
