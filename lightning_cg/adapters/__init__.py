@@ -1,4 +1,8 @@
-"""GraphableEncoder adapters, and the choice of one for a tower."""
+"""GraphableEncoder adapters, the choice of one for a tower, and the row helpers they share.
+
+May import: ``lightning_cg.engine``, ``lightning_cg.core``, torch and (lazily) transformers;
+never Lightning, Hydra, serve, the callback or the app.
+"""
 
 from __future__ import annotations
 
@@ -19,23 +23,11 @@ BATCH_FIRST_LIBRARIES = ("torchvision.models", "timm.")
 def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
     """The adapter that makes ``tower`` graphable.
 
-    Args:
-        tower: the vision tower.
-        name: ``packed`` (``tower(pixel_patches, grid_thw)``; the Qwen vision
-            towers of transformers get their own packed adapter), ``batched``
-            (``tower(x)``, items are batch rows, one tensor out), ``hf``
-            (``tower(pixel_values=x, **options)``, items are batch rows, a
-            ``ModelOutput``, tuple or dict of tensors out: transformers towers;
-            needs ``pip install 'lightning-cg[hf]'``); a GraphableEncoder (used
-            as it is) or a callable that builds one from the tower (an adapter
-            class); or None to choose by type: a tower that implements
-            GraphableEncoder itself is used as it is.
-
-    Raises:
-        ValueError: for an unknown name, or a tower no adapter fits.
-        TypeError: the named adapter cannot serve the tower (the message says
-            what it lacks), or a callable built no GraphableEncoder.
-        ImportError: ``hf`` without transformers installed.
+    ``name``: ``packed`` (``tower(pixel_patches, grid_thw)``), ``batched`` (``tower(x)``, one
+    tensor out), ``hf`` (``tower(pixel_values=x, **options)``, structured out; needs
+    ``lightning-cg[hf]``), a GraphableEncoder, a callable that builds one (an adapter class),
+    or None to choose by type. Raises ValueError for an unknown name or a tower no adapter
+    fits, TypeError when the named adapter cannot serve it or a callable built no adapter.
     """
     # An adapter class is a factory; the protocol check alone would take it for an adapter.
     if isinstance(name, GraphableEncoder) and not isinstance(name, type):
@@ -53,7 +45,20 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
     if name is None:
         if isinstance(tower, GraphableEncoder):
             return tower
-        name = _adapter_name_by_type(tower)
+        name = adapter_name_by_type(tower)
+        if name is None:
+            raise ValueError(
+                f"no adapter fits a tower of type {type(tower).__qualname__} (forward"
+                f"{inspect.signature(tower.forward)}): its forward does not take "
+                "(pixel_patches, grid_thw), and it is not a torchvision or timm model, nor a "
+                "transformers model whose forward takes pixel_values. Pass "
+                "adapter='batched' for a tower called as tower(x) with items as batch rows that "
+                "returns one tensor, adapter='hf' for tower(pixel_values=x, **options) returning "
+                "a ModelOutput, tuple or dict of batch-first tensors, adapter='packed' for "
+                "tower(pixel_patches, grid_thw), or implement "
+                "lightning_cg.engine.encoder.GraphableEncoder on the tower (graph_config, "
+                "item_specs, capture_inputs, graph_forward, ...; see README)"
+            )
     elif name != "packed" and takes_packed_patches(tower):
         raise TypeError(
             f"adapter={name!r} serves towers whose items are the batch rows; "
@@ -78,8 +83,7 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
 
 
 def adapter_name_by_type(tower: nn.Module) -> str | None:
-    """The adapter name ``adapter_for(tower)`` chooses by the tower's type:
-    ``packed``, ``batched`` or ``hf``; None when no adapter fits by type."""
+    """The adapter name ``adapter_for(tower)`` picks by type; None when none fits."""
     from lightning_cg.adapters.hf_optional import is_transformers_tower
     from lightning_cg.adapters.qwen import qwen_tower_kind
 
@@ -92,27 +96,8 @@ def adapter_name_by_type(tower: nn.Module) -> str | None:
     return None
 
 
-def _adapter_name_by_type(tower: nn.Module) -> str:
-    name = adapter_name_by_type(tower)
-    if name is not None:
-        return name
-    raise ValueError(
-        f"no adapter fits a tower of type {type(tower).__qualname__} (forward"
-        f"{inspect.signature(tower.forward)}): its forward does not take (pixel_patches, "
-        "grid_thw), and it is not a torchvision or timm model, nor a transformers model "
-        "whose forward takes pixel_values. Pass "
-        "adapter='batched' for a tower called as tower(x) with items as batch rows that "
-        "returns one tensor, adapter='hf' for tower(pixel_values=x, **options) returning a "
-        "ModelOutput, tuple or dict of batch-first tensors, adapter='packed' for "
-        "tower(pixel_patches, grid_thw), or implement lightning_cg.engine.encoder.GraphableEncoder "
-        "on the tower (graph_config, item_specs, capture_inputs, graph_forward, ...; see README)"
-    )
-
-
 def takes_packed_patches(tower: nn.Module) -> bool:
-    """Whether the first two parameters of the tower class's ``forward`` are
-    ``pixel_patches, grid_thw``: the packed calling convention. The class's, since
-    an instance-level wrapper (the callback's own, another library's) hides it."""
+    """Whether the class ``forward`` (no instance wrapper) starts ``pixel_patches, grid_thw``."""
     try:
         parameters = list(inspect.signature(type(tower).forward).parameters)
     except (TypeError, ValueError):
@@ -121,15 +106,14 @@ def takes_packed_patches(tower: nn.Module) -> bool:
 
 
 def as_slice(indices: Sequence[int]) -> slice | None:
-    """``indices`` as a slice when they are consecutive and ascending (what
-    next-fit packing yields), so that selecting them is a view, not a copy."""
+    """``indices`` as a slice when consecutive and ascending (so selecting is a view)."""
     if indices and list(indices) == list(range(indices[0], indices[0] + len(indices))):
         return slice(indices[0], indices[0] + len(indices))
     return None
 
 
 def select_rows(batch: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
-    """The rows of ``batch`` at ``indices``, in that order (a view when they are consecutive)."""
+    """The rows of ``batch`` at ``indices``, in that order (a view when consecutive)."""
     consecutive = as_slice(indices)
     if consecutive is not None:
         return batch[consecutive]
@@ -141,14 +125,9 @@ def select_rows(batch: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
 
 
 def join_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(rows)`` of one or more tensors, without the copy when ``rows``
-    already lie one after another in one tensor's memory and fill all of it:
-    then the result is a view of that memory. The manager's rows of one
-    sub-batch are such a split of one fresh tensor (a clone of a graph's
-    output, or an eager output)."""
+    """``torch.cat(rows)``, or a view without the copy when ``rows`` split one tensor whole."""
     first = rows[0]
-    # Rows split from one tensor are views of one base; anything else is joined
-    # by a copy, found without the per-row checks below (host time per row).
+    # Rows of different bases are joined by a copy without the per-row checks below.
     if len(rows) > 1 and (first._base is None or any(row._base is not first._base for row in rows)):
         return torch.cat(rows)
     storage = first.untyped_storage()

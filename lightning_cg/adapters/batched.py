@@ -1,10 +1,7 @@
 """GraphableEncoder for any batch-first tower: ``tower(x [B, ...]) -> Tensor [B, ...]``.
 
-Each batch row is one item costing one token on the single path ``image``, so a
-token budget is simply a batch size. torchvision's ``vit_b_16`` and ``resnet50``
-and timm models fit as they are. A tower called with options or returning more
-than one tensor (a ``ModelOutput``, a tuple, a dict) fits
-:class:`~lightning_cg.adapters.hf.HFEncoderAdapter`, built on the pieces here.
+Each batch row is one item costing one token on the single path ``image``, so a token
+budget is a batch size (torchvision and timm models fit as they are).
 """
 
 from __future__ import annotations
@@ -21,29 +18,16 @@ from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpe
 
 #: The only encoder path of a batch-first tower.
 IMAGE_PATH = "image"
-#: Every batch row's spec: one token on the image path (shared: nothing changes a spec).
+#: Every batch row's spec: one token on the image path.
 _ROW_SPEC = ItemSpec(input_size=1, output_tokens=1, path_tokens={IMAGE_PATH: 1})
 
 
 class BatchedEncoderAdapter:
-    """Graph a batch-first tower at batch-size budgets.
+    """Graph a batch-first tower at batch-size budgets (up to ``max_batch_size`` by default).
 
-    The adapter binds the tower's class ``forward`` at construction, so it keeps
-    running the original computation after the callback replaces the instance
-    attribute ``tower.forward`` with graph replay. Calling ``forward`` directly
-    also means the tower's own module hooks do not run inside the adapter.
-
-    Args:
-        tower: a module called as ``tower(x)`` with ``x`` of shape ``[B, ...]``
-            that returns one tensor of shape ``[B, ...]``.
-        max_batch_size: the largest batch (token budget) worth a graph by default.
-
-    Example:
-        >>> from torchvision.models import resnet18
-        >>> adapter = BatchedEncoderAdapter(resnet18(num_classes=10).eval(), max_batch_size=8)
-        >>> x = adapter.inputs_from_call((torch.randn(2, 3, 64, 64),), {})
-        >>> adapter.eager_forward("image", x).shape
-        torch.Size([2, 10])
+    The tower's class ``forward`` is bound at construction, so the adapter keeps running
+    the original computation after the callback replaces ``tower.forward`` (the tower's
+    module hooks do not run inside the adapter).
     """
 
     def __init__(self, tower: nn.Module, max_batch_size: int = 64) -> None:
@@ -58,12 +42,7 @@ class BatchedEncoderAdapter:
         self._by_keyword = first is not None and first.kind is inspect.Parameter.KEYWORD_ONLY
 
     def graph_config(self) -> EncoderGraphConfig:
-        """One path, ``image``, where every item costs one token.
-
-        ``out_hidden_size`` stays 0: the output shape is only known once the
-        tower has run. Compiled with static shapes: a run's batches come in one
-        or two sizes, and static kernels are faster.
-        """
+        """One path, ``image``; the output width is learnt when the tower runs; static shapes."""
         return EncoderGraphConfig(
             modalities=("image",),
             paths={IMAGE_PATH: PathConfig(min_token_budget=1)},
@@ -76,10 +55,7 @@ class BatchedEncoderAdapter:
         return 1, self.max_batch_size
 
     def min_bytes_per_token(self, path: str) -> int | None:
-        """Bytes one token (an image) of a graph's budget needs at least: its row of
-        the static input buffer, when the tower fixes its image side (torchvision's
-        ViT, a transformers config's ``image_size``); None when the side comes with
-        the first batch (see :mod:`lightning_cg.engine.budget_memory`)."""
+        """Least bytes per token of the input buffer when the tower fixes its side, else None."""
         self._check_path(path)
         side = fixed_image_side(self.tower)
         channels = getattr(getattr(self.tower, "config", self.tower), "num_channels", 3)
@@ -88,12 +64,7 @@ class BatchedEncoderAdapter:
         return channels * side * side * MIN_ELEMENT_BYTES
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The batch tensor of a ``tower(x)`` or ``tower(<name>=x)`` call.
-
-        Raises:
-            ValueError: the call is not exactly one tensor, by position or by the
-                name of the forward's first parameter.
-        """
+        """The batch tensor of a ``tower(x)`` or ``tower(<name>=x)`` call (else ValueError)."""
         if len(args) == 1 and not kwargs:
             x = args[0]
         elif not args and len(kwargs) == 1 and self._input_name in kwargs:
@@ -146,11 +117,7 @@ class BatchedEncoderAdapter:
     def postprocess(
         self, outputs: list[dict[str, torch.Tensor]], inputs: torch.Tensor
     ) -> torch.Tensor:
-        """Stack the items' rows back into one ``[B, ...]`` tensor.
-
-        An empty batch runs the tower on the empty input, since only the tower
-        knows the shape of an output row.
-        """
+        """The items' rows as one ``[B, ...]`` tensor (an empty batch runs the tower on it)."""
         if not outputs:
             return self._run(inputs)
         return join_rows([output[IMAGE_PATH] for output in outputs])
@@ -185,8 +152,7 @@ class BatchedEncoderAdapter:
 
 
 def fixed_image_side(tower: nn.Module) -> int | None:
-    """The square image side a tower requires (torchvision's ViT ``image_size``, a
-    transformers config's ``image_size``), or None when it takes any side."""
+    """The square image side a tower requires (its or its config's ``image_size``), or None."""
     side = getattr(getattr(tower, "config", tower), "image_size", None)
     return side if isinstance(side, int) and not isinstance(side, bool) else None
 

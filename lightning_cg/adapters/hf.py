@@ -1,30 +1,8 @@
-"""GraphableEncoder for batch-first towers with call options and structured outputs.
+"""GraphableEncoder for transformers-style towers: ``tower(pixel_values=x, **options)``.
 
-Hugging Face transformers vision towers (``CLIPVisionModel``, ``SiglipVisionModel``,
-``Dinov2Model``, ``ViTModel``, ...) are called as ``tower(pixel_values=x, **options)``
-and return a ``ModelOutput``. As for :mod:`~lightning_cg.adapters.batched`, every
-batch row is one item costing one token on the path ``image``; beyond it:
-
-- **Calls.** ``pixel_values`` (or the forward's first parameter) comes by
-  position or by name. Other arguments are sorted by kind: flags and other
-  hashable values (``interpolate_pos_encoding``, ``output_hidden_states``,
-  ``output_attentions``, ``return_dict``) belong to the graph signature, with
-  the tower config's defaults for them, so each combination gets its own
-  graphs; tensors with a row per item (``bool_masked_pos``, attention masks)
-  are static buffers padded and split like the pixels; any other tensor
-  (``head_mask``) is a static buffer copied whole into every replay. A tower
-  that reads such a tensor on the host (transformers checks a DINOv2
-  ``attention_mask`` with ``.all()``) cannot be captured: on CUDA the manager
-  then runs the path eagerly and warns why.
-- **Outputs.** Every tensor of the output (a ``ModelOutput``, a tuple, a dict,
-  nested tuples of hidden states) is flattened into one row per item
-  (:mod:`~lightning_cg.adapters.structured`) and rebuilt afterwards: the same
-  type, the same fields, None fields None, ``return_dict=False`` a tuple.
-
-A call sorted by kind of argument and its graph signature are
-:mod:`~lightning_cg.adapters.hf_calls`'s. transformers is optional
-(:mod:`~lightning_cg.adapters.hf_optional`): importing this module does not
-import it; building the adapter does.
+Each batch row is one item on the path ``image``. Hashable options (and the config's
+defaults) key the graphs; per-item tensors are split like the pixels, other tensors copied
+whole; the output is carried as rows (:mod:`~lightning_cg.adapters.structured`).
 """
 
 from __future__ import annotations
@@ -49,7 +27,7 @@ from lightning_cg.adapters.hf_calls import (
     whole_spec,
 )
 
-# is_transformers_tower: re-exported, users import it from here.
+# Re-exported: users import it from here.
 from lightning_cg.adapters.hf_optional import is_transformers_tower as is_transformers_tower
 from lightning_cg.adapters.hf_optional import require_transformers
 from lightning_cg.adapters.structured import RowLayout, output_rows
@@ -63,30 +41,15 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
     """Graph a batch-first tower called with options that returns structured outputs.
 
     Args:
-        tower: a module called as ``tower(pixel_values [B, ...], **options)``
-            (``pixel_values`` or the forward's first parameter, by position or
-            name) returning tensors of ``B`` rows: one, or a ``ModelOutput``, a
-            tuple or a dict of them, nested or not.
-        max_batch_size: the largest batch (token budget) worth a graph by default.
+        tower: called as ``tower(pixel_values [B, ...], **options)`` (or the forward's
+            first parameter), returning a tensor or a structure of tensors of ``B`` rows.
         per_item_inputs: names of tensor arguments with a row per item.
-        shared_inputs: names of tensor arguments for the whole batch. A tensor
-            argument named in neither is per item when its first dimension is the
-            batch size, else shared.
+        shared_inputs: names of tensor arguments for the whole batch. A tensor named in
+            neither is per item when its first dimension is the batch size.
 
     Raises:
         ImportError: transformers is not installed.
         TypeError: the tower's forward takes no argument to carry the pixels.
-
-    Example:
-        >>> from transformers import CLIPVisionConfig, CLIPVisionModel
-        >>> from lightning_cg.engine.manager import EncoderGraphManager
-        >>> tower = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64,
-        ...     num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8))
-        >>> manager = EncoderGraphManager(HFEncoderAdapter(tower.eval()))
-        >>> out = manager.execute(manager.encoder.inputs_from_call((), {
-        ...     "pixel_values": torch.randn(3, 3, 32, 32), "output_hidden_states": True}))
-        >>> type(out).__name__, out.pooler_output.shape, len(out.hidden_states)
-        ('BaseModelOutputWithPooling', torch.Size([3, 32]), 3)
     """
 
     def __init__(
@@ -120,13 +83,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         self._layouts: dict[tuple[HFCallSignature, tuple], RowLayout] = {}
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> HFInputs:
-        """Sort a call's arguments into pixels, per-item and shared tensors, and options.
-
-        Raises:
-            ValueError: the call does not bind to the forward, has no pixel batch,
-                has a per-item tensor of another row count than the pixels, or an
-                option that is neither a tensor nor hashable; the message names it.
-        """
+        """Sort a call's arguments into pixels, per-item and shared tensors, and options."""
         arguments = self._bind(args, kwargs)
         pixels = arguments.pop(self._input_name, None)
         if not isinstance(pixels, torch.Tensor) or pixels.dim() < 1:
@@ -172,8 +129,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         return inputs.signature
 
     def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
-        """Random pixels and zero per-item tensors of ``spec.token_budget`` rows; ones
-        for shared tensors."""
+        """Random pixels, zero per-item tensors of ``spec.token_budget`` rows, ones shared."""
         self._check_path(spec.path)
         signature: HFCallSignature = spec.signature
         batched = [(self._input_name, signature.pixels), *signature.per_item]
@@ -203,9 +159,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         return output_rows(output, batch_size)
 
     def collects_layer_outputs(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
-        """Whether the graph of ``buffers`` serves calls that collect each layer's
-        attentions in a Python list (``output_attentions``, from the call or the
-        config), which compiled blocks would recompile for."""
+        """Whether ``buffers``' graph collects attentions in a list (compiled blocks recompile)."""
         signature, _ = self._unnamed(buffers)
         requested = dict(signature.options).get("output_attentions")  # None: the config's
         default = dict(signature.config).get("output_attentions")
@@ -219,10 +173,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         return output_rows(output, len(inputs.pixels))
 
     def postprocess(self, outputs: list[dict[str, torch.Tensor]], inputs: HFInputs) -> Any:
-        """The tower's own output type and fields, joined from the items' rows.
-
-        An empty batch runs the tower on the empty input.
-        """
+        """The tower's own output type joined from the items' rows (an empty batch runs it)."""
         if not outputs:
             return self._run_call(inputs)
         return self._layout(inputs).unflatten(join_rows([item[IMAGE_PATH] for item in outputs]))
@@ -230,8 +181,6 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
     def postprocess_joined(self, path_rows: Mapping[str, torch.Tensor], inputs: HFInputs) -> Any:
         """The tower's own output type and fields from the rows of every item in order."""
         return self._layout(inputs).unflatten(path_rows[IMAGE_PATH])
-
-    # ------------------------------------------------------------ internals
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by name, ``**kwargs`` spread out; defaults left to the forward."""
@@ -283,8 +232,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
     def _named_for(
         self, signature: HFCallSignature, tensors: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        # graph_forward gets nothing but the buffers (piecewise tracing rebuilds
-        # the dict from the same names), so their names carry the call's index.
+        # graph_forward gets only the buffers, so their names carry the call's index.
         index = self._index_of(signature)
         return {f"{name}{_CALL_MARK}{index}": tensor for name, tensor in tensors.items()}
 
@@ -312,8 +260,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             self._layouts[key] = RowLayout.of(output, batch_size)
 
     def _layout(self, inputs: HFInputs) -> RowLayout:
-        """The layout of this call's outputs; a compiled graph forward records none,
-        so then one item runs eagerly once to learn it."""
+        """This call's output layout (an item runs eagerly once if a compiled forward kept none)."""
         key = (inputs.signature, _autocast_state())
         if key not in self._layouts:
             with torch.no_grad():

@@ -1,14 +1,8 @@
 """Packed attention for transformers towers, registered with ``transformers.AttentionInterface``.
 
-The Qwen vision towers pass ``cu_seqlens`` to their attention function only when
-the configured implementation's name contains "flash"; any other implementation
-splits the sequences on the host (``lengths.tolist()``), a sync no CUDA graph
-can hold. :data:`ATTENTION_NAME` is such a name, backed by
-:func:`lightning_cg.engine.attention.sequence_attention` (varlen flash attention on
-CUDA in half precision, a block-diagonal SDPA mask elsewhere), so it runs on
-any device and without the flash-attn package. :func:`packed_attention` sets it
-on a tower's configs for the duration of a graph forward only: outside, the
-tower keeps the implementation its user chose.
+The Qwen towers pass ``cu_seqlens`` to attention only for an implementation named "flash";
+others split sequences on the host, a sync no graph can hold. :data:`ATTENTION_NAME` is
+such a name, backed by :func:`lightning_cg.engine.attention.sequence_attention`.
 """
 
 from __future__ import annotations
@@ -37,15 +31,10 @@ def packed_attention_forward(
     max_length_q: int | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention within each sequence of ``cu_seq_lens_q``, as an AttentionInterface function.
+    """Attention within each sequence of ``cu_seq_lens_q`` (keys share them), for transformers.
 
-    Args:
-        query, key, value: ``(1, heads, rows, head_dim)``.
-        cu_seq_lens_q: int32 ``(sequences + 1,)`` offsets; keys share them (self-attention).
-        max_length_q: an upper bound on the longest sequence, as a Python int.
-
-    Returns:
-        ``(1, rows, heads, head_dim)`` and no attention weights.
+    ``query``, ``key``, ``value``: ``(1, heads, rows, head_dim)``; returns
+    ``(1, rows, heads, head_dim)`` and no weights. ``max_length_q`` bounds the longest sequence.
     """
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(
@@ -79,11 +68,9 @@ def attention_configs(tower: nn.Module) -> list[object]:
 
 @contextmanager
 def packed_attention(configs: list[object]) -> Iterator[None]:
-    """Run attention through :data:`ATTENTION_NAME` inside the block.
+    """Run attention through :data:`ATTENTION_NAME` inside the block, then restore ``configs``.
 
-    Sets ``_attn_implementation`` on ``configs`` (see :func:`attention_configs`)
-    directly, since ``set_attn_implementation`` would look an unknown flash name
-    up on the Hub, and restores each afterwards.
+    Set directly: ``set_attn_implementation`` would look the unknown name up on the Hub.
     """
     previous = [(config, config._attn_implementation) for config in configs]
     try:

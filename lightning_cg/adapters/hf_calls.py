@@ -1,11 +1,4 @@
-"""One call of a transformers vision tower, sorted by kind of argument.
-
-:class:`~lightning_cg.adapters.hf.HFEncoderAdapter` sorts a call into the pixel
-batch, tensors with a row per item, tensors of the whole batch and every other
-argument (:class:`HFInputs`); the shapes, dtypes and devices of the tensors and
-the other arguments' values make the signature its graphs are captured for
-(:class:`HFCallSignature`).
-"""
+"""One call of a transformers vision tower, sorted by kind of argument, and its signature."""
 
 from __future__ import annotations
 
@@ -19,8 +12,7 @@ import torch
 PER_ITEM_INPUTS = ("bool_masked_pos", "attention_mask", "pixel_attention_mask", "pixel_mask")
 #: Tensor arguments that apply to the whole batch: copied whole into every replay.
 SHARED_INPUTS = ("head_mask",)
-#: Config fields that transformers reads when the call leaves them out: they
-#: change the computation or the output, so they join the graph signature.
+#: Config fields transformers reads when the call leaves them out; part of the signature.
 CONFIG_FLAGS = ("return_dict", "output_hidden_states", "output_attentions", "_attn_implementation")
 
 
@@ -35,15 +27,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class HFCallSignature:
-    """What one set of graphs is captured for.
-
-    Attributes:
-        pixels: the per-item shape, dtype and device of the pixel batch.
-        per_item: tensor arguments with a row per item, by name.
-        shared: tensor arguments of the whole batch, by name.
-        options: every other argument (flags, None), by name.
-        config: the tower config's :data:`CONFIG_FLAGS`.
-    """
+    """What one set of graphs is captured for: tensor specs, other arguments, config flags."""
 
     pixels: TensorSpec
     per_item: tuple[tuple[str, TensorSpec], ...]
@@ -54,14 +38,7 @@ class HFCallSignature:
 
 @dataclass(frozen=True)
 class HFInputs:
-    """One call of the tower, sorted by kind of argument.
-
-    Attributes:
-        pixels: the pixel batch, ``[B, ...]``.
-        per_item: tensor arguments with ``B`` rows, split with the pixels.
-        shared: tensor arguments passed whole to every sub-batch.
-        signature: the call's :class:`HFCallSignature` (its options included).
-    """
+    """One call of the tower: pixels, per-item and shared tensors, and its signature."""
 
     pixels: torch.Tensor
     per_item: Mapping[str, torch.Tensor]

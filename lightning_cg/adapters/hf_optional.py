@@ -1,8 +1,4 @@
-"""transformers as an optional dependency (``pip install 'lightning-cg[hf]'``).
-
-Nothing here imports transformers until something needs it, and what needs it
-says how to install it; recognising a transformers tower never imports it.
-"""
+"""transformers as an optional dependency: imported only when needed, never to recognise a tower."""
 
 from __future__ import annotations
 
@@ -29,12 +25,7 @@ def require_transformers(what: str) -> Any:
 
 
 def is_transformers_tower(tower: nn.Module) -> bool:
-    """Whether ``tower`` is a transformers ``PreTrainedModel`` whose forward takes
-    ``pixel_values`` (the towers :class:`~lightning_cg.adapters.hf.HFEncoderAdapter`
-    is chosen for by type).
-
-    Never imports transformers: without it loaded no tower can be one of its models.
-    """
+    """Whether ``tower`` is a transformers ``PreTrainedModel`` taking ``pixel_values``."""
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(tower, transformers.PreTrainedModel):
         return False

@@ -1,19 +1,8 @@
 """GraphableEncoder for packed towers: ``tower(pixel_patches [T, C*p*p], grid_thw [N, 3])``.
 
-Items of any resolution are packed patch after patch (the Qwen2-VL convention of
-:class:`~examples.models.packed_vit.PackedViT`). Two paths:
-
-- ``local``: every item at its native resolution, one attention sequence per frame;
-  an item costs ``t * h * w / merge**2`` tokens.
-- ``global``: a fixed low-resolution view of each item's first frame, costing
-  ``(global_grid / merge)**2`` tokens, or none when the tower's global view is off.
-
-Each path's graph holds ``pixel_patches``, ``cu_seqlens`` and the patch
-``positions`` (the tower computes its rotary tables from them inside the graph).
-``cu_seqlens`` is padded by repeating its last offset, so padding patches belong
-to no sequence and cost no attention. Both metadata tensors are built on the
-host and copied straight into the graph's buffers; where the tower gives them in
-pieces (``host_metadata_pieces``, as ``PackedViT`` does), the pieces are.
+Two paths: ``local`` (each item at its native resolution, ``t*h*w / merge**2`` tokens) and
+``global`` (a fixed low-resolution view of the first frame, or none). Padding repeats the
+last ``cu_seqlens`` offset, so padding patches belong to no sequence.
 """
 
 from __future__ import annotations
@@ -67,13 +56,10 @@ class PackedTowerConfig(Protocol):
 
 
 class PackedTower(Protocol):
-    """What the adapter calls on a packed tower (``PackedViT`` implements it).
+    """What the adapter calls on a packed tower (``PackedViT`` has it), never ``tower.forward``.
 
-    The adapter never calls the tower itself (``tower.forward`` is what the
-    callback replaces), only these methods; and, where the tower has it,
-    ``host_metadata_pieces(grid_thw) -> dict[str, list[np.ndarray]]``:
-    ``host_metadata`` as numpy pieces, each tensor its pieces one after another,
-    which replays write straight into the graph's buffers.
+    An optional ``host_metadata_pieces(grid_thw) -> dict[str, list[np.ndarray]]`` gives
+    ``host_metadata`` in pieces that replays write straight into the buffers.
     """
 
     config: PackedTowerConfig
@@ -100,28 +86,11 @@ class PackedTower(Protocol):
 
 
 class PackedEncoderAdapter:
-    """Graph a packed tower on a ``local`` and a ``global`` token ladder.
+    """Graph a packed tower (a :class:`PackedTower`) on a ``local`` and a ``global`` ladder.
 
-    Args:
-        tower: a module called as ``tower(pixel_patches, grid_thw)`` that exposes
-            :class:`PackedTower` (e.g. ``PackedViT``).
-        max_frames_per_item: most frames one item may have (1 for images only).
-        min_token_budget: smallest local budget worth a graph.
-        max_token_budget: largest local budget by default; None is
-            ``max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)``.
-
-    Raises:
-        TypeError: the tower lacks methods or config fields of :class:`PackedTower`.
-        ValueError: a budget or frame count is out of range.
-
-    Example:
-        >>> from examples.models.packed_vit import PackedViT, PackedViTConfig, patchify
-        >>> tower = PackedViT(PackedViTConfig(hidden_size=64, depth=2, num_heads=4,
-        ...                                   patch_size=4, out_hidden_size=32))
-        >>> adapter = PackedEncoderAdapter(tower)
-        >>> inputs = adapter.inputs_from_call(patchify([torch.randn(3, 16, 16)], 4), {})
-        >>> adapter.eager_forward("local", inputs).shape
-        torch.Size([4, 32])
+    ``max_token_budget`` None is ``max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)``. Raises
+    TypeError for a tower lacking part of :class:`PackedTower`, ValueError for a budget or
+    frame count out of range.
     """
 
     def __init__(
@@ -131,28 +100,19 @@ class PackedEncoderAdapter:
         min_token_budget: int = 64,
         max_token_budget: int | None = None,
     ) -> None:
-        if max_frames_per_item < 1:
-            raise ValueError(f"max_frames_per_item must be >= 1, got {max_frames_per_item}")
-        if min_token_budget < 1:
-            raise ValueError(f"min_token_budget must be >= 1, got {min_token_budget}")
-        if max_token_budget is not None and max_token_budget < min_token_budget:
-            raise ValueError(
-                f"max_token_budget ({max_token_budget}) must be None or >= "
-                f"min_token_budget ({min_token_budget})"
-            )
+        self.max_token_budget = largest_budget(
+            max_frames_per_item, min_token_budget, max_token_budget
+        )
         _check_packed_tower(tower)
         self.tower = tower
         self.max_frames_per_item = max_frames_per_item
         self.min_token_budget = min_token_budget
-        self.max_token_budget = max_token_budget or max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)
         config = tower.config
         self._merge_area = config.spatial_merge_size**2
         self._patch_dim = config.in_channels * config.patch_size**2
         self._view_tokens = (config.global_grid // config.spatial_merge_size) ** 2
         self._global_tokens = self._view_tokens if config.global_view else 0
-        # The spec of each item size seen: it depends only on the size and on the
-        # sizes above, fixed here, and specs are frozen, so calls share them
-        # (building one costs ~1 us of host time per item).
+        # Specs depend only on the item size (and the sizes above) and are frozen: shared.
         self._specs_by_size: dict[tuple[int, int, int], ItemSpec] = {}
         self._metadata_pieces = getattr(tower, "host_metadata_pieces", None)
 
@@ -163,8 +123,7 @@ class PackedEncoderAdapter:
         )
         return EncoderGraphConfig(
             modalities=("image", "video"),
-            # Empty cu_seqlens slots cost time (flash attention still launches
-            # blocks for them).
+            # Graphs per item count: empty cu_seqlens slots still cost flash-attention blocks.
             paths={
                 LOCAL_PATH: PathConfig(self.min_token_budget, per_item_metadata=True),
                 GLOBAL_PATH: global_path,
@@ -175,29 +134,21 @@ class PackedEncoderAdapter:
         )
 
     def token_budget_range(self, path: str) -> tuple[int, int]:
-        """``local``: ``(min_token_budget, max_token_budget)``; ``global``: from one
-        item's view up to the local maximum."""
+        """``local``: ``(min_token_budget, max_token_budget)``; ``global``: one view up."""
         self._check_path(path)
         if path == LOCAL_PATH:
             return self.min_token_budget, self.max_token_budget
         return self._view_tokens, max(self._view_tokens, self.max_token_budget)
 
     def min_bytes_per_token(self, path: str) -> int:
-        """Bytes one token of a graph's budget needs at least: its ``merge**2`` rows of
-        the static ``pixel_patches`` buffer (see :mod:`lightning_cg.engine.budget_memory`)."""
+        """Least bytes per token of a graph: its ``merge**2`` rows of ``pixel_patches``."""
         self._check_path(path)
         return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> PackedInputs:
-        """Check a ``tower(pixel_patches, grid_thw)`` call and read its grid on the host.
-
-        Raises:
-            TypeError: the call does not bind to ``(pixel_patches, grid_thw)``.
-            ValueError: an argument has the wrong type, shape, size or device, or
-                ``grid_thw`` disagrees with the patches; the message names it.
-        """
+        """Check a ``tower(pixel_patches, grid_thw)`` call and read its grid on the host."""
         if len(args) == 2 and not kwargs:
-            # The usual call, without inspect's bind (~10 us of host time).
+            # The usual call, without inspect's bind (host time).
             pixel_patches, grid_thw = args
         else:
             bound = _CALL.bind(*args, **kwargs).arguments
@@ -231,8 +182,7 @@ class PackedEncoderAdapter:
         return spec
 
     def select_items(self, inputs: PackedInputs, indices: Sequence[int]) -> PackedInputs:
-        """The patches and grid rows of the items at ``indices``, in that order
-        (views when the items are consecutive)."""
+        """The items at ``indices``, in that order (views when consecutive)."""
         return select_packed_items(inputs, indices)
 
     def graph_signature(self, inputs: PackedInputs) -> Hashable:
@@ -240,15 +190,8 @@ class PackedEncoderAdapter:
         return inputs.pixel_patches.dtype, inputs.pixel_patches.device
 
     def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
-        """Buffers for ``token_budget * merge**2`` patches and ``max_frames`` frames.
-
-        The dummy batch is one frame covering every patch, the rest empty frames.
-
-        Returns:
-            ``pixel_patches`` ``(budget * merge**2, C*p*p)`` of the signature's dtype,
-            ``cu_seqlens`` int32 ``(max_frames + 1,)`` and ``positions`` int32
-            ``(budget * merge**2, 2)``, on the signature's device.
-        """
+        """``pixel_patches``, ``cu_seqlens`` (``max_frames + 1``) and ``positions`` buffers
+        for ``token_budget * merge**2`` patches: one frame covering them, then empty ones."""
         self._check_path(spec.path)
         dtype, device = spec.signature
         merge = self.tower.config.spatial_merge_size
@@ -263,9 +206,8 @@ class PackedEncoderAdapter:
         }
 
     def replay_inputs(self, path: str, inputs: PackedInputs) -> Mapping[str, torch.Tensor]:
-        """The path's patches (the items' own, or their global views) and, on the
-        host, their metadata: in pieces (:class:`~lightning_cg.engine.static_inputs.PieceRows`)
-        where the tower gives them so."""
+        """The path's patches (the items' own, or their global views) and their host
+        metadata, as :class:`~lightning_cg.engine.static_inputs.PieceRows` where it can."""
         self._check_path(path)
         patches, grid = inputs.pixel_patches, inputs.grid
         if path == GLOBAL_PATH:
@@ -294,12 +236,7 @@ class PackedEncoderAdapter:
     def postprocess(
         self, outputs: list[dict[str, torch.Tensor]], inputs: PackedInputs
     ) -> torch.Tensor:
-        """Each item's local rows then its global rows, item after item, as the tower's forward.
-
-        Returns:
-            ``(sum(tokens per item), out_hidden_size)``: a new tensor, or, where the
-            rows already lie in order in one fresh tensor, a view of all of it.
-        """
+        """Each item's local rows then its global rows, item after item, as the tower's forward."""
         rows = [output[path] for output in outputs for path in PATHS if path in output]
         if rows:
             return join_rows(rows)
@@ -312,8 +249,7 @@ class PackedEncoderAdapter:
     def postprocess_joined(
         self, path_rows: Mapping[str, torch.Tensor], inputs: PackedInputs
     ) -> torch.Tensor:
-        """The tower's output from each path's rows of every item in order: the
-        local rows as they are, or, with a global view, interleaved per item."""
+        """The tower's output from each path's rows of every item in order, interleaved per item."""
         if set(path_rows) == {LOCAL_PATH}:
             return path_rows[LOCAL_PATH]
         specs = self.item_specs(inputs)
@@ -328,6 +264,22 @@ class PackedEncoderAdapter:
     def _check_path(self, path: str) -> None:
         if path not in PATHS:
             raise ValueError(f"unknown encoder path {path!r}; allowed: {', '.join(PATHS)}")
+
+
+def largest_budget(
+    max_frames_per_item: int, min_token_budget: int, max_token_budget: int | None
+) -> int:
+    """The largest token budget of a packed adapter's arguments, checked (else ValueError)."""
+    if max_frames_per_item < 1:
+        raise ValueError(f"max_frames_per_item must be >= 1, got {max_frames_per_item}")
+    if min_token_budget < 1:
+        raise ValueError(f"min_token_budget must be >= 1, got {min_token_budget}")
+    if max_token_budget is not None and max_token_budget < min_token_budget:
+        raise ValueError(
+            f"max_token_budget ({max_token_budget}) must be None or >= "
+            f"min_token_budget ({min_token_budget})"
+        )
+    return max_token_budget or max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)
 
 
 def _check_packed_tower(tower: object) -> None:

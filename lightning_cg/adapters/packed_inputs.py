@@ -1,9 +1,7 @@
-"""The call of a packed tower, ``tower(patches [T, patch_dim], grid_thw [N, 3])``, for adapters.
+"""The call of a packed tower, ``tower(patches [T, patch_dim], grid_thw [N, 3])``.
 
-Items of any resolution are packed patch after patch (the Qwen2-VL convention):
-``grid_thw`` holds each item's frames, patch rows and patch columns, and item
-``i`` owns ``t * h * w`` consecutive rows of the patches. Shared by the adapters
-of :class:`~examples.models.packed_vit.PackedViT` and of the Qwen vision towers.
+Items are packed patch after patch (the Qwen2-VL convention): item ``i`` owns
+``t * h * w`` consecutive rows. Shared by the packed and the Qwen adapters.
 """
 
 from __future__ import annotations
@@ -25,13 +23,7 @@ Grid = list[tuple[int, int, int]]
 
 @dataclass
 class PackedInputs:
-    """One call of a packed tower.
-
-    Attributes:
-        pixel_patches: ``(sum(t*h*w), patch_dim)`` patches, item after item.
-        grid_thw: ``(N, 3)`` integer tensor of frames, patch rows, patch columns.
-        grid: ``grid_thw`` on the host, read once per call outside any graph.
-    """
+    """One call of a packed tower; ``grid`` is ``grid_thw`` read on the host once per call."""
 
     pixel_patches: torch.Tensor
     grid_thw: torch.Tensor
@@ -49,19 +41,10 @@ def read_packed_call(
     device: torch.device | None,
     patches_name: str = "pixel_patches",
 ) -> Grid:
-    """Check the patches and grid of a packed call and read the grid on the host.
+    """Check a packed call's arguments and read its grid on the host.
 
-    Args:
-        patches: the call's patches argument.
-        grid_thw: the call's ``grid_thw`` argument.
-        patch_dim: width of one row of the patches.
-        merge: the tower's spatial merge size; patch rows and columns are multiples of it.
-        device: the tower's device; None when it has no parameters.
-        patches_name: the name of the patches argument in the tower's call, for messages.
-
-    Raises:
-        ValueError: an argument has the wrong type, shape, size or device, or
-            ``grid_thw`` disagrees with the patches; the message names it.
+    ``merge`` must divide patch rows and columns; ``device`` is None for a tower without
+    parameters. Raises ValueError naming the bad argument.
     """
     if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point():
         raise ValueError(f"grid_thw must be an integer tensor, got {describe(grid_thw)}")
@@ -97,14 +80,10 @@ def read_packed_call(
 
 
 def tower_device(tower: object) -> torch.device | None:
-    """The device of the tower's first parameter, None when it has none.
+    """The device of the tower's first parameter, None when it has none (read at every call).
 
-    Read anew at every call (the tower may move between runs, or get new
-    parameters). For a module that keeps nn.Module's own parameter iteration,
-    the first parameter is found in the same order (registration order, a
-    module before its children) straight from the modules' parameter and child
-    dicts: ``next(tower.parameters(), None)`` builds generators over the whole
-    module tree first, ~10 us of host time per call.
+    A stock nn.Module's is read straight off the module dicts: less host time than
+    ``next(tower.parameters(), None)``.
     """
     cls = type(tower)
     stock = (
@@ -128,8 +107,7 @@ def _first_parameter(module: nn.Module) -> nn.Parameter | None:
 
 
 def select_packed_items(inputs: Inputs, indices: Sequence[int]) -> Inputs:
-    """The patches and grid rows of the items at ``indices``, in that order (views
-    when the items are consecutive); other fields of ``inputs`` are kept."""
+    """The items at ``indices``, in that order (views when consecutive); other fields kept."""
     offsets = [0, *itertools.accumulate(t * h * w for t, h, w in inputs.grid)]
     consecutive = as_slice(indices)
     if consecutive is not None:
@@ -144,8 +122,7 @@ def select_packed_items(inputs: Inputs, indices: Sequence[int]) -> Inputs:
     return dataclasses.replace(
         inputs,
         pixel_patches=torch.cat([inputs.pixel_patches[:0], *pieces]),
-        # Not grid_thw[indices]: a list index of a CUDA tensor is copied from
-        # pageable memory, which waits for the GPU.
+        # Not grid_thw[indices]: a list index is copied from pageable memory (a GPU wait).
         grid_thw=select_rows(inputs.grid_thw, indices),
         grid=[inputs.grid[i] for i in indices],
     )

@@ -1,25 +1,8 @@
 """GraphableEncoder for the Qwen vision towers of transformers, called as their models call them.
 
-``visual(hidden_states [T, C*tp*p*p], grid_thw [N, 3], **options)`` for
-Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
-(``Qwen2_5_VisionTransformerPretrainedModel``, window attention) and Qwen3-VL
-(``Qwen3VLVisionModel`` and Qwen3-VL-MoE's ``Qwen3VLMoeVisionModel``, deepstack
-features), images and videos alike. One
-encoder path, ``local``; an item costs ``t * h * w / merge**2`` output tokens.
-
-The graph runs the tower's own forward with the metadata it would compute from
-``grid_thw`` passed in precomputed (``cu_seqlens``, ``position_ids``; for
-Qwen2.5-VL ``window_index`` and ``cu_window_seqlens``; for Qwen3-VL the
-position-embedding interpolation ``interp_indices`` and ``interp_weights``),
-built on the host with transformers' own helpers, so the forward never reads
-``grid_thw``. Its attention runs through
-:data:`~lightning_cg.adapters.hf_attention.ATTENTION_NAME` during the graph
-forward only. ``cu_seqlens`` and ``cu_window_seqlens`` are padded by repeating
-their last offset: padding patches belong to no sequence and cost no attention.
-
-The output is the tower's own ``ModelOutput`` (or its tuple with
-``return_dict=False``), items in order; inside, every field travels as columns
-of one row per output token (:class:`~lightning_cg.adapters.row_outputs.RowLayout`).
+``visual(hidden_states, grid_thw, **options)`` of Qwen2-VL, Qwen2.5-VL and Qwen3-VL(-MoE), on
+one path, ``local``: the tower's own forward with its ``grid_thw`` metadata precomputed on the
+host, attention through :data:`~lightning_cg.adapters.hf_attention.ATTENTION_NAME`.
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ from lightning_cg.adapters.hf_attention import (
     packed_attention,
     register_packed_attention,
 )
-from lightning_cg.adapters.packed import DEFAULT_MAX_TOKEN_BUDGET, LOCAL_PATH
+from lightning_cg.adapters.packed import LOCAL_PATH, largest_budget
 from lightning_cg.adapters.packed_inputs import (
     PackedInputs,
     read_packed_call,
@@ -74,15 +57,12 @@ METADATA_ARGUMENTS = (
     "interp_indices",
     "interp_weights",
 )
-#: Fewest slots of an offsets buffer (``cu_seqlens``, ``cu_window_seqlens``). One
-#: frame's two would give a compile with dynamic shapes (aot_autograd, inductor)
-#: one sequence length (``cu_seqlens[1:]``), a size of 1 that it specializes:
-#: the first graph of more frames would compile again. A third slot is an empty
-#: sequence, which costs no attention.
+#: Fewest slots of an offsets buffer (``cu_seqlens``, ``cu_window_seqlens``): with two, a
+#: dynamic-shape compile would specialize on one sequence and recompile for more frames.
+#: The third slot is an empty sequence, which costs no attention.
 MIN_OFFSET_SLOTS = 3
 #: Call options (besides ``return_dict``) that become part of the graph signature.
-OptionValue = bool | int | float | str | None
-Options = tuple[tuple[str, OptionValue], ...]
+Options = tuple[tuple[str, bool | int | float | str | None], ...]
 
 _CALL = inspect.Signature(
     [
@@ -95,8 +75,7 @@ _PATCHES = "hidden_states"
 
 
 def qwen_tower_kind(tower: nn.Module) -> str | None:
-    """``qwen2_vl``, ``qwen2_5_vl`` or ``qwen3_vl`` for a transformers Qwen vision tower,
-    else None."""
+    """``qwen2_vl``, ``qwen2_5_vl`` or ``qwen3_vl`` for a Qwen tower of transformers, else None."""
     cls = type(tower)
     if not cls.__module__.startswith("transformers."):
         return None
@@ -105,41 +84,14 @@ def qwen_tower_kind(tower: nn.Module) -> str | None:
 
 @dataclass
 class QwenInputs(PackedInputs):
-    """One call of a Qwen vision tower.
-
-    Attributes:
-        options: the call's keyword options that change what the forward
-            computes (e.g. ``output_hidden_states``), sorted by name.
-        return_dict: return the ``ModelOutput`` (True) or its tuple.
-    """
+    """One call of a Qwen vision tower, with its sorted ``options`` and ``return_dict``."""
 
     options: Options = ()
     return_dict: bool = True
 
 
 class QwenVisionAdapter:
-    """Graph a transformers Qwen vision tower on one ``local`` token ladder.
-
-    Args:
-        tower: a ``Qwen2VisionTransformerPretrainedModel``,
-            ``Qwen2_5_VisionTransformerPretrainedModel`` or ``Qwen3VLVisionModel``.
-        max_frames_per_item: most frames (``t`` of ``grid_thw``) one item may have.
-        min_token_budget: smallest budget worth a graph.
-        max_token_budget: largest budget by default; None is
-            ``max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)``.
-
-    Example:
-        >>> from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-        >>> from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-        ...     Qwen2VisionTransformerPretrainedModel)
-        >>> tower = Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
-        ...     depth=2, embed_dim=32, num_heads=4, hidden_size=24, patch_size=2))
-        >>> adapter = QwenVisionAdapter(tower)
-        >>> grid = torch.tensor([[1, 4, 6]])
-        >>> inputs = adapter.inputs_from_call((torch.randn(24, 24),), {"grid_thw": grid})
-        >>> adapter.eager_forward("local", inputs).shape  # 6 tokens, 24 + 4 * 32 columns
-        torch.Size([6, 152])
-    """
+    """Graph a Qwen vision tower (of :data:`QWEN_TOWERS`) on one ladder; budgets as ``packed``'s."""
 
     def __init__(
         self,
@@ -154,21 +106,14 @@ class QwenVisionAdapter:
                 f"QwenVisionAdapter serves the transformers towers {', '.join(QWEN_TOWERS)}; "
                 f"got {type(tower).__module__}.{type(tower).__qualname__}"
             )
-        if max_frames_per_item < 1:
-            raise ValueError(f"max_frames_per_item must be >= 1, got {max_frames_per_item}")
-        if min_token_budget < 1:
-            raise ValueError(f"min_token_budget must be >= 1, got {min_token_budget}")
-        if max_token_budget is not None and max_token_budget < min_token_budget:
-            raise ValueError(
-                f"max_token_budget ({max_token_budget}) must be None or >= "
-                f"min_token_budget ({min_token_budget})"
-            )
+        self.max_token_budget = largest_budget(
+            max_frames_per_item, min_token_budget, max_token_budget
+        )
         register_packed_attention()
         self.tower = tower
         self.kind = kind
         self.max_frames_per_item = max_frames_per_item
         self.min_token_budget = min_token_budget
-        self.max_token_budget = max_token_budget or max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)
         config = tower.config
         self.merge = config.spatial_merge_size
         self._merge_area = self.merge**2
@@ -194,21 +139,12 @@ class QwenVisionAdapter:
         return self.min_token_budget, self.max_token_budget
 
     def min_bytes_per_token(self, path: str) -> int:
-        """Bytes one token of a graph's budget needs at least: its ``merge**2`` rows of
-        the static ``hidden_states`` buffer (see :mod:`lightning_cg.engine.budget_memory`)."""
+        """Least bytes per token of a graph: its ``merge**2`` rows of ``hidden_states``."""
         self._check_path(path)
         return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> QwenInputs:
-        """Check a ``visual(hidden_states, grid_thw, **options)`` call; read its grid on the host.
-
-        Raises:
-            TypeError: the call does not bind to ``(hidden_states, grid_thw, **options)``.
-            ValueError: an argument has the wrong type, shape, size or device,
-                ``grid_thw`` disagrees with the patches, an option is precomputed
-                metadata or not a plain value, or it asks for an output that cannot
-                be split per item; the message names it.
-        """
+        """Check a ``visual(hidden_states, grid_thw, **options)`` call; read its grid."""
         bound = _CALL.bind(*args, **kwargs).arguments
         patches, grid_thw = bound["hidden_states"], bound["grid_thw"]
         options = dict(bound.get("options", {}))
@@ -242,8 +178,7 @@ class QwenVisionAdapter:
         return specs
 
     def select_items(self, inputs: QwenInputs, indices: Sequence[int]) -> QwenInputs:
-        """The patches and grid rows of the items at ``indices``, in that order
-        (views when the items are consecutive)."""
+        """The items at ``indices``, in that order (views when consecutive)."""
         return select_packed_items(inputs, indices)
 
     def graph_signature(self, inputs: QwenInputs) -> Hashable:
@@ -251,20 +186,9 @@ class QwenVisionAdapter:
         return inputs.pixel_patches.dtype, inputs.pixel_patches.device, inputs.options
 
     def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
-        """Buffers for ``token_budget * merge**2`` patches and ``max_frames`` frames.
-
-        The dummy batch is one frame covering every patch, then empty frames.
-
-        Returns:
-            the patches ``(budget * merge**2, C*tp*p*p)`` of the signature's dtype,
-            under a name that records the signature's options; ``cu_seqlens``
-            int32 ``(max_frames + 1,)``; ``position_ids`` ``(budget * merge**2, 2)``;
-            for Qwen2.5-VL ``window_index`` ``(budget,)`` and ``cu_window_seqlens``
-            with a slot for the most windows ``max_frames`` frames of ``budget``
-            tokens can have (either at least :data:`MIN_OFFSET_SLOTS` slots); for
-            Qwen3-VL ``interp_indices`` and ``interp_weights`` ``(budget * merge**2, taps)``;
-            on the signature's device.
-        """
+        """Buffers for ``token_budget * merge**2`` patches (named for the signature's
+        options) and their metadata: one frame covering them, then empty frames; each
+        offsets buffer has a slot per frame or window, at least :data:`MIN_OFFSET_SLOTS`."""
         self._check_path(spec.path)
         dtype, device, options = spec.signature
         rows = spec.token_budget * self._merge_area
@@ -290,11 +214,7 @@ class QwenVisionAdapter:
         }
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The tower's forward on the buffers, attention through packed varlen attention.
-
-        Returns:
-            ``(budget, width)`` rows of the output layout of the buffers' options.
-        """
+        """The tower's forward on the buffers, as ``(budget, width)`` layout rows."""
         self._check_path(path)
         name, patches = next((n, b) for n, b in buffers.items() if n.startswith(_PATCHES))
         options = self._options_by_name[name]
@@ -315,9 +235,7 @@ class QwenVisionAdapter:
         return self._layout(options).to_rows(output, rows // self._merge_area)
 
     def collects_layer_outputs(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
-        """Whether the graph of ``buffers`` serves calls that collect each block's
-        attentions in a Python list (``output_attentions``, from the call or the
-        config), which compiled blocks would recompile for."""
+        """Whether ``buffers``' graph collects attentions in a list (compiled blocks recompile)."""
         name = next(name for name in buffers if name.startswith(_PATCHES))
         requested = dict(self._options_by_name[name]).get("output_attentions")  # None: the config's
         default = getattr(self.tower.config, "output_attentions", False)
@@ -394,7 +312,6 @@ def _check_options(options: dict[str, Any]) -> Options:
 
 
 def _patches_name(options: Options) -> str:
-    """The patches buffer's name under ``options``: buffer names survive every way
-    the manager hands buffers to :meth:`QwenVisionAdapter.graph_forward`, so the
-    name tells it which options the graph serves."""
+    """The patches buffer's name under ``options``: names survive every way buffers reach
+    :meth:`QwenVisionAdapter.graph_forward`, so it tells which options a graph serves."""
     return _PATCHES + "".join(f"|{name}={value!r}" for name, value in options)

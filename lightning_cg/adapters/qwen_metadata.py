@@ -1,9 +1,7 @@
-"""What a Qwen vision tower derives from ``grid_thw``, built outside its forward.
+"""What a Qwen vision tower derives from ``grid_thw``, built on the host outside its forward.
 
-Computed on the host by transformers' own helpers (``transformers.vision_utils``),
-the same functions the towers call when no metadata is passed, so a graph's
-metadata is exactly the eager forward's. Tower kinds are those of
-:data:`lightning_cg.adapters.qwen.QWEN_TOWERS`.
+Built by transformers' own helpers (``transformers.vision_utils``), which the towers call
+themselves, so a graph's metadata is exactly the eager forward's.
 """
 
 from __future__ import annotations
@@ -18,13 +16,8 @@ from lightning_cg.adapters.packed_inputs import Grid
 
 
 def host_metadata(tower: nn.Module, kind: str, grid: Grid) -> dict[str, torch.Tensor]:
-    """The keyword metadata ``tower`` would compute from ``grid``, on the host.
-
-    Returns:
-        ``cu_seqlens`` int32 (a sequence per frame) and ``position_ids``; for
-        ``qwen2_5_vl`` also ``window_index`` and ``cu_window_seqlens``; for
-        ``qwen3_vl`` ``interp_indices`` and ``interp_weights``.
-    """
+    """The keyword metadata ``tower`` (of ``kind``) computes from ``grid``: ``cu_seqlens``,
+    ``position_ids``, and Qwen2.5-VL's window or Qwen3-VL's interpolation tensors."""
     from transformers import vision_utils
 
     grid_thw = torch.tensor(grid, dtype=torch.long).reshape(-1, 3)
@@ -53,11 +46,7 @@ def host_metadata(tower: nn.Module, kind: str, grid: Grid) -> dict[str, torch.Te
 
 
 def window_side(tower: nn.Module) -> int:
-    """Merged tokens along one side of a Qwen2.5-VL attention window, as transformers computes it.
-
-    Raises:
-        ValueError: the window is smaller than one merged token.
-    """
+    """Merged tokens along one side of a Qwen2.5-VL attention window (ValueError if < 1)."""
     merge = tower.config.spatial_merge_size
     side = tower.window_size // merge // tower.patch_size
     if side < 1:
@@ -82,9 +71,8 @@ def window_metadata(
 ) -> dict[str, Any]:
     """Qwen2.5-VL's window keywords from a graph's buffers, padding tokens mapped to themselves.
 
-    The tower undoes the window order with ``argsort(window_index)``; zeros in
-    the padding would tie with real tokens, so the padding gets the identity,
-    built on the device from ``cu_seqlens[-1]`` (the real patches).
+    The tower undoes the window order with ``argsort(window_index)``; zeros in the
+    padding would tie with real tokens, so it gets the identity (on the device).
     """
     window_index = buffers["window_index"]
     positions = torch.arange(window_index.shape[0], device=window_index.device)

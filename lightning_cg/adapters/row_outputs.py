@@ -1,13 +1,8 @@
-"""A packed tower's structured output as one tensor with a row per output token, and back.
+"""A packed tower's ``ModelOutput`` as one ``(tokens, width)`` tensor, and back.
 
-The manager splits and joins the rows of one tensor per item. A transformers
-packed tower returns a ``ModelOutput`` instead: merged tokens
-(``pooler_output``, ``deepstack_features``) with one row per output token, and
-patch-level states (``last_hidden_state``, ``hidden_states``) with
-``merge**2`` rows per token, each item's rows consecutive. :class:`RowLayout`
-lays every such tensor side by side, a token's patch rows flattened into one
-row, so a sub-batch's output is one ``(tokens, width)`` tensor, and rebuilds the
-``ModelOutput`` from those rows.
+The manager splits and joins one tensor's rows per item. A Qwen tower's output holds
+merged tokens (one row per output token) and patch-level states (``merge**2`` rows per
+token); :class:`RowLayout` lays them side by side, a token's patch rows in one row.
 """
 
 from __future__ import annotations
@@ -23,16 +18,8 @@ CONTAINERS = ("tensor", "tuple", "list")
 
 @dataclass(frozen=True)
 class RowField:
-    """One field of the output.
-
-    Attributes:
-        name: the field's name in the output.
-        container: ``tensor``, or a ``tuple`` or ``list`` of ``count`` tensors.
-        count: tensors in the field (1 for a tensor).
-        rows_per_token: rows of each tensor per output token (1, or ``merge**2``
-            for patch-level states).
-        width: columns of each tensor.
-    """
+    """One field of the output: a ``tensor``, or a ``tuple`` or ``list`` of ``count``
+    tensors, each with ``rows_per_token`` rows (1 or ``merge**2``) of ``width`` columns."""
 
     name: str
     container: str
@@ -48,12 +35,7 @@ class RowField:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Where each field of a tower's output lies in a token's row.
-
-    Attributes:
-        output_type: the ``ModelOutput`` class the tower returns.
-        fields: the fields that are set, in the output's order.
-    """
+    """Where each set field of a tower's output lies in a token's row, in the output's order."""
 
     output_type: type
     fields: tuple[RowField, ...]
@@ -65,15 +47,7 @@ class RowLayout:
 
     @classmethod
     def of(cls, output: Mapping[str, Any], tokens: int, merge_area: int) -> RowLayout:
-        """The layout of ``output``, a ``ModelOutput`` of items with ``tokens`` tokens.
-
-        ``tokens`` must differ from ``tokens * merge_area`` (unless ``merge_area`` is
-        1) for the fields' row counts to tell merged tokens from patches.
-
-        Raises:
-            ValueError: a field is not a 2-D tensor (or a tuple or list of them)
-                with one row per token or per patch.
-        """
+        """The layout of ``output`` for ``tokens`` tokens; ValueError for a field it can't split."""
         fields = []
         for name, value in output.items():
             container = "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
@@ -99,11 +73,9 @@ class RowLayout:
         return torch.cat(columns, dim=1)
 
     def from_rows(self, rows: torch.Tensor) -> Any:
-        """The tower's output rebuilt from ``(tokens, width)`` rows; each tensor
-        is contiguous, as the tower returns it."""
+        """The tower's output rebuilt from ``(tokens, width)`` rows, each tensor contiguous."""
         tokens = rows.shape[0]
-        # Set field by field, as the tower's output gets its recorded states: the
-        # fields keep the tower's order (and with it the order of to_tuple()).
+        # Set field by field, so the fields keep the tower's order (and to_tuple()'s).
         output = self.output_type()
         start = 0
         for field in self.fields:

@@ -1,22 +1,8 @@
-"""Structured tower outputs as one row per item, and back.
+"""Structured tower outputs (a ``ModelOutput``, tuple, dict, nested) as one row per item.
 
-The manager scatters and joins the rows of one tensor per path. A tower that
-returns several tensors (a Hugging Face ``ModelOutput``, a tuple, a dict, nested
-tuples of hidden states) is flattened into one ``[B, W]`` tensor whose row ``i``
-holds every field of item ``i`` side by side; a :class:`RowLayout` remembers the
-structure and each field's shape and dtype, and rebuilds the output from the
-joined rows. Structures are pytrees (``torch.utils._pytree``), where
-transformers registers every ``ModelOutput`` class: a rebuilt ``ModelOutput`` has
-the same class and fields, and its None fields stay None.
-
-Example:
-    >>> output = {"tokens": torch.randn(3, 5, 4), "pooled": torch.randn(3, 4)}
-    >>> layout = RowLayout.of(output, batch_size=3)
-    >>> rows = output_rows(output, batch_size=3)
-    >>> rows.shape
-    torch.Size([3, 24])
-    >>> torch.equal(layout.unflatten(rows)["tokens"], output["tokens"])
-    True
+:func:`output_rows` flattens every tensor into one ``[B, W]`` tensor; a :class:`RowLayout`
+rebuilds the output from joined rows. Structures are pytrees (``torch.utils._pytree``),
+where transformers registers every ``ModelOutput``: None fields stay None.
 """
 
 from __future__ import annotations
@@ -51,28 +37,15 @@ class FieldLayout:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Where each field of a structured output lies in a row tensor.
-
-    Attributes:
-        treespec: the output's structure (its class, field names, nesting).
-        fields: per leaf of the structure, a :class:`FieldLayout`, or None for a
-            None leaf (which takes no columns and comes back as None). Rows hold
-            the fields in their promoted dtype (exact for mixed floating
-            precisions and booleans).
-    """
+    """Where each field of a structured output lies in a row tensor; None leaves take no columns."""
 
     treespec: TreeSpec
     fields: tuple[FieldLayout | None, ...]
 
     @classmethod
     def of(cls, output: Any, batch_size: int) -> RowLayout:
-        """The layout of ``output``, a structure of tensors with ``batch_size`` rows each.
-
-        Raises:
-            TypeError: no field is a tensor, a field is neither a tensor nor None,
-                or a tensor is not batch-first (its first dimension is not
-                ``batch_size``); the message names the field.
-        """
+        """The layout of ``output``, tensors of ``batch_size`` rows; TypeError naming a field that
+        is neither None nor a batch-first tensor, or when there is no tensor."""
         leaves, treespec = _named_leaves(output)
         if not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
             raise TypeError(f"the output {type(output).__name__} holds no tensors")
@@ -109,11 +82,7 @@ class RowLayout:
 
 
 def output_rows(output: Any, batch_size: int) -> torch.Tensor:
-    """Every tensor of ``output`` flattened per item and joined into ``[batch_size, W]``.
-
-    Traceable: no host syncs, only reshapes and one concatenation (none for a
-    single tensor), so a graph forward may end with it.
-    """
+    """Every tensor of ``output`` flattened per item into ``[batch_size, W]``, no host syncs."""
     leaves = [leaf for leaf in tree_leaves(output) if leaf is not None]
     dtype = functools.reduce(torch.promote_types, (leaf.dtype for leaf in leaves))
     flat = [leaf.reshape(batch_size, -1).to(dtype) for leaf in leaves]
@@ -121,9 +90,7 @@ def output_rows(output: Any, batch_size: int) -> torch.Tensor:
 
 
 def _named_leaves(output: Any) -> tuple[list[tuple[str, Any]], TreeSpec]:
-    """The leaves of ``output`` with their paths for messages (``.hidden_states[2]``),
-    or their positions where the structure cannot say (older transformers releases register
-    ModelOutput without key paths)."""
+    """The leaves of ``output`` named by path for messages (by position where there are none)."""
     try:
         leaves, treespec = tree_flatten_with_path(output)
     except ValueError:
