@@ -1,5 +1,4 @@
-"""The Hydra app: the structured config schema, the preflight checks and the runner that
-``scripts/predict.py`` and its siblings call.
+"""The Hydra app: the config schema, the preflight checks and the runner behind ``scripts/``.
 
 May import: every other layer, Hydra and OmegaConf.
 """

@@ -1,12 +1,7 @@
 """What the Hydra apps check before any work: every value, and model against data.
 
-:func:`check_config` runs on the composed config before anything is built: the
-top-level keys, the app's flags, the callback's options (by constructing it)
-and whether the data module can feed the model's tower at all (batch kind,
-patch, merge and frame sizes, each named on both sides). :func:`check_tower`
-runs once the model is built, before the Trainer: the tower's own sizes
-against the data, and the graph plan (unknown path names, budgets the device
-cannot hold) by constructing the manager the callback would build.
+:func:`check_config` runs on the composed config before anything is built; :func:`check_tower`
+on the built tower, before the Trainer (its sizes, and the graph plan by building a manager).
 """
 
 from __future__ import annotations
@@ -58,12 +53,8 @@ TOP_LEVEL_KEYS = (*AppSchema.__dataclass_fields__, "hydra")
 def check_config(cfg: DictConfig) -> CUDAGraphCallback:
     """Refuse a config that cannot work, before anything is built; return its callback.
 
-    Raises:
-        ValueError: an unknown top-level key, a flag that is not true, false or
-            null, or model and data that disagree; the message names the fields,
-            the values and what would fit.
-        hydra.errors.InstantiationException: the callback refused an option (the
-            cause names the field and the allowed values).
+    Raises ValueError naming the fields and what would fit, or Hydra's InstantiationException
+    for a callback option.
     """
     unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
     if unknown:
@@ -87,13 +78,7 @@ def check_config(cfg: DictConfig) -> CUDAGraphCallback:
 
 
 def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) -> None:
-    """Refuse a built tower the data or the graph options cannot serve, before the Trainer.
-
-    Raises:
-        ValueError: the tower's patch or merge size differs from the data's, a
-            ``paths`` entry names a path the tower does not have, or the largest
-            budget cannot fit the device (see :mod:`lightning_cg.engine.budget_memory`).
-    """
+    """Refuse a built tower the data or the graph options cannot serve (ValueError)."""
     tower = resolve_module(model, callback.module)
     if "input" in cfg.model and _tower_kind(cfg) == PACKED:
         _check_tower_sizes(cfg, getattr(tower, "config", None))

@@ -1,7 +1,7 @@
 """The Hydra apps' work as plain functions: build from a config, run, report.
 
 ``scripts/predict.py``, ``validate.py``, ``test.py`` and ``train.py`` are thin entry points
-around :func:`run`; tests call it with composed configs.
+around :func:`run`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-# Also registers the apps' structured config schema (lightning_cg.app.schema) with Hydra.
+# Also registers the apps' config schema with Hydra.
 from lightning_cg.app.preflight import check_config, check_tower
 from lightning_cg.callback.checks import resolve_module
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
@@ -38,13 +38,8 @@ PASS_ROWS = 10
 
 @dataclass
 class PassReport:
-    """One pass over the data: one ``trainer.predict``, ``validate`` or ``test`` call.
-
-    Attributes:
-        tower_seconds: seconds inside the tower, synchronized around each call.
-        wall_seconds: seconds of the whole Trainer call.
-        stats: the callback's ``last_stats`` after the pass (empty without a callback).
-    """
+    """One pass over the data (one Trainer call): seconds inside the tower (synchronized),
+    seconds of the whole call, and the callback's ``last_stats`` after it."""
 
     tower_seconds: float
     wall_seconds: float
@@ -55,16 +50,8 @@ class PassReport:
 class RunReport:
     """What the passes of one app run did, with the callback and, if asked, eagerly.
 
-    Attributes:
-        stage: ``predict``, ``validate``, ``test`` or ``fit``.
-        seconds: wall seconds of all passes with the callback.
-        stats: the callback's stats of the last pass.
-        outputs: the outputs of every pass, one after another.
-        eager_seconds: wall seconds of the same passes without the callback.
-        max_abs_difference: largest difference between the two runs' outputs.
-        device: where the tower ran (``cuda:0``, ``cpu``).
-        passes: per pass with the callback.
-        eager_passes: per pass without it.
+    ``seconds`` and ``eager_seconds`` are wall seconds of all passes; ``stats`` the callback's
+    of the last pass; ``outputs`` every pass's, one after another.
     """
 
     stage: str
@@ -79,10 +66,9 @@ class RunReport:
 
 
 class TowerClock:
-    """Seconds spent in a module's forward, with a synchronize on each side of every call.
+    """Seconds spent in a module's forward, synchronized on both sides of every call.
 
-    Forward hooks, so it also times a forward the CUDA graph callback swapped in.
-    Use as a context manager; :attr:`seconds` adds up until reset.
+    Forward hooks, so it also times a forward the callback swapped in; a context manager.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -130,16 +116,10 @@ def make_trainer(
 def run(cfg: DictConfig, stage: str) -> RunReport:
     """Run ``stage`` (predict, validate, test or fit) with the callback; optionally eagerly too.
 
-    ``predict``, ``validate`` and ``test`` run ``cfg.passes`` times over the data (default
-    1; null: :data:`GPU_PASSES` on a GPU, 1 on a CPU), one Trainer call per pass
-    with one callback, as validation runs once per epoch; ``fit`` runs once.
-    ``cfg.compare_eager`` (null: on a GPU only) runs the same passes without
-    the callback. On a GPU one untimed eager batch runs first (CUDA context,
-    cuBLAS), so that neither method's first pass pays for the start.
-
-    A config that cannot work is refused before anything runs
-    (:mod:`lightning_cg.app.preflight`): bad values, model and data that disagree,
-    budgets the device cannot hold.
+    Stages other than ``fit`` run ``cfg.passes`` Trainer calls (null: :data:`GPU_PASSES` on a
+    GPU, else 1), after one untimed eager batch on a GPU; ``cfg.compare_eager`` (null: on a GPU)
+    repeats them without the callback. A config that cannot work is refused first
+    (:mod:`lightning_cg.app.preflight`).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
@@ -148,7 +128,10 @@ def run(cfg: DictConfig, stage: str) -> RunReport:
     check_tower(cfg, model, checked_callback)
     trainer, callback = make_trainer(cfg)
     on_gpu = trainer.strategy.root_device.type == "cuda"
-    passes = 1 if stage == "fit" else _passes(cfg.get("passes", 1), on_gpu)
+    passes = cfg.get("passes", 1)  # checked by check_config
+    if passes is None:
+        passes = GPU_PASSES if on_gpu else 1
+    passes = 1 if stage == "fit" else passes
     tower = resolve_module(model, cfg.cudagraph.module)
     if on_gpu and stage != "fit":
         _warm_up(cfg, stage, model, datamodule)
@@ -180,14 +163,6 @@ def _warm_up(
     _timed(instantiate(cfg.trainer, callbacks=[], **{limit: 1}), stage, model, datamodule)
 
 
-def _passes(passes: int | None, on_gpu: bool) -> int:
-    if passes is None:
-        return GPU_PASSES if on_gpu else 1
-    if not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"passes must be a positive integer or null (auto); got {passes!r}")
-    return passes
-
-
 def _wall_seconds(passes: list[PassReport]) -> float:
     return sum(report.wall_seconds for report in passes)
 
@@ -217,21 +192,14 @@ def _timed(trainer: pl.Trainer, stage: str, model, datamodule) -> tuple[float, l
     datamodule.setup(stage)
     _synchronize()
     started = time.perf_counter()
-    if stage == "predict":
-        outputs = trainer.predict(model, datamodule=datamodule)
-    elif stage == "validate":
-        outputs = trainer.validate(model, datamodule=datamodule, verbose=False)
-    elif stage == "test":
-        outputs = trainer.test(model, datamodule=datamodule, verbose=False)
-    else:
-        outputs = trainer.fit(model, datamodule=datamodule)
+    quiet = {"verbose": False} if stage in ("validate", "test") else {}
+    outputs = getattr(trainer, stage)(model, datamodule=datamodule, **quiet)
     _synchronize()
     return time.perf_counter() - started, outputs
 
 
 def _max_abs_difference(graphed: list, eager: list) -> float:
-    """Largest difference between the passes' outputs: predictions, or the metrics
-    ``validate`` and ``test`` return (``val_loss``, ``test_loss``)."""
+    """Largest difference between the passes' outputs: predictions, or returned metrics."""
     differences = [
         (a.float() - b.float()).abs().max().item()
         if isinstance(a, torch.Tensor)
@@ -250,9 +218,7 @@ def _synchronize() -> None:
 def print_report(report: RunReport, console: Console | None = None) -> None:
     """The run's table, the tower seconds of its passes against eager, and its capture.
 
-    On a CPU, where the callback runs its CPU path, a note says so instead of
-    figures about graphs. Prints on global rank 0 only: under DDP every rank
-    holds the same summed stats.
+    Prints on global rank 0 only: under DDP every rank holds the same summed stats.
     """
     console = console or Console()
     on_gpu = report.device.startswith("cuda")

@@ -1,19 +1,9 @@
 """Hydra structured config schemas of the apps' configs (``conf/predict.yaml`` and friends).
 
-``conf/predict.yaml``, ``validate.yaml``, ``test.yaml`` and ``train.yaml`` name ``app_schema``
-first in their defaults list, so Hydra merges every YAML and command-line
-override into these dataclasses: a wrong type (``cudagraph.budgets.max_budget=abc``,
-``budgets=[64.9]``, ``stages=validate``) or an unknown key (``+cudagraph.verfy=true``)
-fails at composition, naming the full key. Importing this module registers the
-schema in Hydra's ConfigStore; :mod:`lightning_cg.app.runner` imports it.
-
-The ``cudagraph`` node is built from :class:`~lightning_cg.engine.config.GraphConfig`
-and :class:`~lightning_cg.engine.config.BudgetConfig`, the one place an option is
-declared, plus the callback's own arguments: its keys, types and defaults
-follow theirs. Flags are typed ``Any``, not ``bool``: OmegaConf would turn
-``yes``, ``off``, ``0`` or ``2`` into a bool silently; left as given, the
-callback accepts exactly ``true`` and ``false``. Choices (``mode``, ``packing``,
-...) are strings the callback checks against its allowed values.
+The YAML files list ``app_schema`` first, so a wrong type or unknown key fails at composition.
+``cudagraph`` follows :class:`~lightning_cg.engine.config.GraphConfig` and ``BudgetConfig``;
+flags are typed ``Any`` so OmegaConf does not turn ``yes`` or ``0`` into a bool (the callback
+accepts exactly ``true`` and ``false``). Importing this module registers the schema.
 """
 
 from __future__ import annotations
@@ -117,11 +107,7 @@ CUDAGraphSchema = _schema(
 
 @dataclass
 class AppSchema:
-    """The top level of ``predict.yaml``, ``validate.yaml``, ``test.yaml`` and ``train.yaml``.
-
-    ``model``, ``data`` and ``trainer`` are ``_target_`` nodes of their groups,
-    checked by :func:`lightning_cg.app.runner.check_config` against each other.
-    """
+    """The top level of ``predict.yaml``, ``validate.yaml``, ``test.yaml`` and ``train.yaml``."""
 
     model: Any = MISSING
     data: Any = MISSING
@@ -133,10 +119,8 @@ class AppSchema:
 
 
 def _app_node() -> DictConfig:
-    """The schema as a config whose ``cudagraph.paths`` takes new path names, so
-    ``cudagraph.paths={global:{budgets:[64,256]}}`` sets it as written; each
-    entry is still checked, its path name against the tower's paths and its keys
-    against the budget choice's."""
+    """The schema, with ``cudagraph.paths`` open to new path names (each entry is still
+    checked against the tower's paths and the budget choice's keys)."""
     node = OmegaConf.structured(AppSchema)
     OmegaConf.set_struct(node.cudagraph.paths, False)
     return node
