@@ -1,6 +1,5 @@
-"""The Lightning glue: :class:`CUDAGraphCallback`, its argument checks, its report and
-the trainer-run bookkeeping.
+"""The Lightning glue: :class:`CUDAGraphCallback`, its argument checks, report and run lengths.
 
-May import: ``lightning_cg.core``, ``lightning_cg.engine``, ``lightning_cg.adapters``,
-``lightning_cg.serve`` and Lightning; never Hydra or the app.
+May import: ``lightning_cg.core``, ``engine``, ``adapters``, ``serve`` and Lightning; never
+Hydra or the app.
 """

@@ -1,10 +1,4 @@
-"""What :class:`~lightning_cg.CUDAGraphCallback` refuses, and where it finds the tower.
-
-Its own arguments are checked at construction, the trainer's strategy at
-``setup``; the tower is the submodule at a dotted attribute path of the
-LightningModule, or, without one, the one vision tower found in it
-(:func:`find_tower`). Every error names the field, the value and what is allowed.
-"""
+"""What the callback refuses (naming field, value and what is allowed); where it finds the tower."""
 
 from __future__ import annotations
 
@@ -33,9 +27,8 @@ TEXT_INPUTS = ("input_ids", "decoder_input_ids")
 
 
 def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adapter: Any) -> None:
-    """Raise a ValueError for a ``module`` that is neither None nor a dotted attribute
-    path, ``stages`` outside :data:`STAGES`, a flag (by name) that is not a bool, or
-    an ``adapter`` that is no adapter name, adapter or callable."""
+    """Refuse (ValueError) a ``module`` that is no dotted path, bad ``stages``, a flag
+    that is not a bool, or an ``adapter`` that is no adapter name, adapter or callable."""
     if module is not None and (
         not isinstance(module, str) or not all(part.isidentifier() for part in module.split("."))
     ):
@@ -58,12 +51,7 @@ def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adap
 def graph_config(config: Any, options: Mapping[str, Any]) -> GraphConfig:
     """The callback's graph options: ``config`` or the keyword ``options``, not both.
 
-    A capture that fails mid-run turns the rank eager, not the run into an error,
-    so ``capture_errors`` is the callback's to set.
-
-    Raises:
-        ValueError: both given, ``config`` no GraphConfig, ``capture_errors``
-            among the options, or a bad option (named, with the allowed values).
+    ``capture_errors`` is always ``eager``: a capture that fails mid-run turns the rank eager.
     """
     if "capture_errors" in options:
         raise ValueError(
@@ -93,8 +81,7 @@ def check_strategy(trainer: pl.Trainer) -> None:
 
 
 def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:
-    """The submodule at a dotted attribute path, with an error naming what is missing;
-    for ``path=None`` the one vision tower in ``pl_module`` (:func:`find_tower`)."""
+    """The submodule at a dotted attribute path, or for None the one tower (:func:`find_tower`)."""
     if path is None:
         return find_tower(pl_module)[1]
     try:
@@ -111,14 +98,9 @@ def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:
 
 
 def find_tower(pl_module: nn.Module) -> tuple[str, nn.Module]:
-    """The dotted path and module of the one vision tower among ``pl_module``'s submodules.
+    """The dotted path and module of the one vision tower in ``pl_module`` (else ValueError).
 
-    A tower is a submodule :func:`is_tower` accepts. Only the outermost counts:
-    the blocks of a timm model or the submodules of a transformers model are
-    parts of their tower, not towers of their own.
-
-    Raises:
-        ValueError: no tower, or several (listed by dotted path), before any work.
+    Only the outermost :func:`is_tower` counts: a timm model's blocks are parts of its tower.
     """
     found: list[tuple[str, nn.Module]] = []
     # named_modules walks depth first, a module before its submodules.
@@ -148,11 +130,9 @@ def find_tower(pl_module: nn.Module) -> tuple[str, nn.Module]:
 
 
 def is_tower(module: nn.Module) -> bool:
-    """Whether the callback takes ``module`` for a vision tower without being told:
-    it implements GraphableEncoder, or ``adapter_for`` chooses an adapter for it by
-    type and its forward takes no text (:data:`TEXT_INPUTS`). A ``torch.compile``
-    wrapper is judged by the module it wraps, so that the wrapper is the tower
-    (and left alone, see :func:`is_compiled`)."""
+    """Whether ``module`` is taken for a vision tower untold: a GraphableEncoder, or a type
+    ``adapter_for`` picks an adapter for whose forward takes no text. A ``torch.compile``
+    wrapper is judged by the module it wraps."""
     if is_compiled(module):
         module = module._orig_mod
     if isinstance(module, GraphableEncoder):
@@ -171,8 +151,8 @@ def _takes_text(module: nn.Module) -> bool:
 def check_one_callback_per_tower(
     callback: Any, others: Sequence[Any], pl_module: nn.Module, tower: nn.Module
 ) -> None:
-    """Refuse a second callback on ``tower``: two would wrap one forward in each other and
-    the first to finish would put back the other's wrapper, not the tower's forward."""
+    """Refuse a second callback on ``tower``: the first to finish would put back the
+    other's wrapper, not the tower's forward."""
     for other in others:
         if other is callback:
             continue

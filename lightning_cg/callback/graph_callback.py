@@ -1,10 +1,4 @@
-r"""
-CUDA Graph Callback
-^^^^^^^^^^^^^^^^^^^
-
-Swaps a vision tower's forward for budget-batched CUDA graph replay during
-validation, testing and prediction, and puts the original back for training.
-"""
+"""Swaps a vision tower's forward for budget-batched CUDA graph replay outside training."""
 
 from __future__ import annotations
 
@@ -48,67 +42,38 @@ from lightning_cg.engine.parallel import execute_data_parallel
 
 
 class CUDAGraphCallback(Callback):
-    r"""Replays a vision tower through CUDA graphs in validation, test and prediction.
+    """Replays a vision tower through CUDA graphs in validation, test and prediction.
 
-    On ``*_start`` of each configured stage the tower found at ``module`` (a
-    dotted attribute path of the LightningModule; by default the one vision
-    tower in it, found at ``setup``) gets a forward that packs the
-    items of every call into sub-batches, replays the graph of the smallest
-    fitting budget and falls back to eager where none fits. On ``*_end``,
-    ``teardown`` and exceptions the original forward comes back, so training
-    never runs through a graph. Graphs outlive the run: when the tower comes back
-    with parameters of the same shapes, dtypes and device in new storage (a
-    Trainer's teardown moves it to the CPU and back), the values are copied into
-    the storage the graphs read (:mod:`lightning_cg.engine.binding`); only a change of
-    shape, dtype or device recaptures. A key is captured on demand, once its
-    capture is expected to pay for itself (:mod:`lightning_cg.core.capture_policy`);
-    until then it runs eagerly.
-
-    A capture that runs out of memory keeps the budgets that fit, and a path
-    whose tower a graph cannot hold (a host sync such as ``.item()``) runs
-    eagerly; the manager warns once with the budget or the cause and the fix.
-    Under DDP each rank captures its own graphs. Whether graphs are used is
-    agreed at the start of every run: a rank whose capture failed otherwise runs
-    the rest of its run eagerly, and from the next run on every rank does (mode
-    ``none``). Stats are summed over ranks.
+    On ``*_start`` of each configured stage the tower gets a forward that packs each call's
+    items into sub-batches, replays the graph of the smallest fitting budget and runs eagerly
+    where none fits; on ``*_end``, ``teardown`` and exceptions the original comes back, so
+    training never runs through a graph. Graphs outlive the run: a tower back in new storage
+    with the same shapes, dtypes and device has its values copied into the captured storage
+    (:mod:`lightning_cg.engine.binding`). Keys are captured once that is expected to pay off
+    (:mod:`lightning_cg.core.capture_policy`). Under DDP each rank captures its own graphs;
+    a failed capture on any rank makes every rank eager from the next run on. Stats are
+    summed over ranks.
 
     Args:
-        module: dotted path of the tower inside the LightningModule; None (the
-            default) finds the one vision tower in it at every ``setup``: the
-            outermost submodule whose type picks an adapter (a torchvision or
-            timm model, a transformers vision model, a Qwen vision tower, a
-            forward taking ``(pixel_patches, grid_thw)``) or that implements
-            GraphableEncoder (:func:`~lightning_cg.callback.checks.find_tower`;
-            none or several is a ValueError listing them). ``module`` then holds
-            the found path.
-        stages: the stages that run through graphs: any of ``validate`` (also a
-            fit's validation), ``test`` and ``predict``.
-        mode: ``none``, ``full`` (the default), ``full_uniform_only``,
-            ``piecewise`` or ``full_and_piecewise`` (see README).
-        budgets: the token budgets of every path, a mapping of
-            :class:`~lightning_cg.engine.config.BudgetConfig` fields (``min_budget``,
-            ``max_budget``, ``budgets``, ``ladder``, ...).
-        capture: ``paid_back`` (the default: a key is captured once the calls
-            known to come repay its capture, or the eager time spent on it
-            reaches the capture's cost), ``first_use`` (at the first batch that
-            needs it) or ``upfront`` (a path's whole ladder at its first call).
-        compile: capture a ``torch.compile``'d graph forward (default False).
-        adapter: how the tower is made graphable: ``packed``, ``batched``,
-            ``hf``, a :class:`~lightning_cg.engine.encoder.GraphableEncoder`, or a
-            callable that builds one from the tower; None picks one by the
-            tower's type.
-        encoder_data_parallel: for ranks that all receive the same batch (e.g.
-            ``Trainer(use_distributed_sampler=False)``, a model-parallel language
-            model): each rank encodes a share of every batch's items and the rows
-            are all-gathered over the default process group
-            (:func:`~lightning_cg.engine.parallel.execute_data_parallel`). Off, or with
-            one process, every rank encodes its whole batch.
+        module: dotted path of the tower inside the LightningModule; None finds the one
+            vision tower at every ``setup`` (:func:`~lightning_cg.callback.checks.find_tower`)
+            and stores its path here.
+        stages: any of ``validate`` (a fit's validation too), ``test`` and ``predict``.
+        mode: ``none``, ``full`` (default), ``full_uniform_only``, ``piecewise`` or
+            ``full_and_piecewise`` (see README).
+        budgets: a mapping of :class:`~lightning_cg.engine.config.BudgetConfig` fields.
+        capture: ``paid_back`` (default: once the calls to come, or the eager time spent,
+            repay the capture), ``first_use`` or ``upfront`` (a path's whole ladder at once).
+        compile: capture a ``torch.compile``'d graph forward.
+        adapter: ``packed``, ``batched``, ``hf``, a GraphableEncoder, or a callable that
+            builds one from the tower; None picks one by the tower's type.
+        encoder_data_parallel: for ranks that all get the same batch: each encodes a share
+            of the items and the rows are all-gathered
+            (:func:`~lightning_cg.engine.parallel.execute_data_parallel`).
         keep_graphs: keep graphs between runs; False frees them after each run.
         config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`,
             instead of ``mode``, ``budgets``, ``capture``, ``compile`` and ``options``.
-        **options: any other :class:`~lightning_cg.engine.config.GraphConfig` field
-            (``paths``, ``max_items_per_batch``, ``verify``, ``splitting_ops``,
-            ``cast_weights_per_run``, ...), documented there.
+        **options: any other GraphConfig field (``paths``, ``verify``, ...).
 
     Example::
 
@@ -157,8 +122,6 @@ class CUDAGraphCallback(Callback):
         #: Whether a capture failed in an earlier run (on a manager since replaced too).
         self._capture_failed = False
 
-    # ------------------------------------------------------------ set-up
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_strategy(trainer)
@@ -184,8 +147,6 @@ class CUDAGraphCallback(Callback):
     ) -> EncoderGraphManager:
         config = self.config if mode is None else dataclasses.replace(self.config, mode=mode)
         return EncoderGraphManager(adapter_for(tower, self.adapter), config, CaptureProgress())
-
-    # -------------------------------------------------------- stage hooks
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -225,8 +186,6 @@ class CUDAGraphCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.restore()
-
-    # ------------------------------------------------------------ swapping
 
     def _swap_in(
         self, trainer: pl.Trainer, expected_calls: int | None, later_runs: int | None = None
@@ -306,8 +265,6 @@ class CUDAGraphCallback(Callback):
             return
         report_cpu_path()
         self._told_cpu = True
-
-    # ---------------------------------------------------------------- stats
 
     def _finish_run(self, trainer: pl.Trainer, stage: str) -> None:
         if self._swapped is None:

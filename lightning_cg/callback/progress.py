@@ -9,10 +9,7 @@ from lightning_cg.engine.encoder import CaptureSpec
 
 
 class CaptureProgress:
-    """Progress callback for :class:`~lightning_cg.engine.manager.EncoderGraphManager`.
-
-    Opens a bar at the first graph of a capture and closes it at the last.
-    """
+    """A capture's progress bar for the manager, from its first graph to its last."""
 
     def __init__(self) -> None:
         self._progress: Progress | None = None

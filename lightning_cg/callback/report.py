@@ -1,10 +1,7 @@
 """What :class:`~lightning_cg.callback.graph_callback.CUDAGraphCallback` tells the user.
 
-At the start of a run: whether the tower's tensors were rebound or its graphs
-are captured again, and once that the tower is on the CPU. At the end: the
-run's stats summed over ranks (rates recomputed from the sums), logged to the
-trainer's loggers as ``cudagraph/<name>`` and told in one line. Messages come
-from rank zero only.
+Rebinding or recapture and the CPU path at a run's start; at its end the stats summed over
+ranks, logged as ``cudagraph/<name>`` and told in one line. Rank zero only.
 """
 
 from __future__ import annotations

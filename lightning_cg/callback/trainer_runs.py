@@ -1,8 +1,4 @@
-"""What a Lightning Trainer tells of a run's length, for the callback's capture policy.
-
-The policy weighs a capture against the calls still to come: the batches of
-the run starting now, and, in a fit, the validation runs after it.
-"""
+"""What a Lightning Trainer tells of a run's length, for the callback's capture policy."""
 
 from __future__ import annotations
 
@@ -23,11 +19,9 @@ def total_batches(batches: Any) -> int | None:
 
 
 def validation_runs_after(trainer: pl.Trainer) -> int | None:
-    """The validation runs a fit still makes after the current one; None outside
-    a fit or when its length is not known in epochs (``max_epochs`` unlimited,
-    ``max_steps`` set, early stopping, or validation every so many training
-    batches). Captures and the compile may make a run pay for these runs, so
-    they must come."""
+    """The validation runs a fit still makes after the current one; None outside a fit
+    or when that is not known in epochs (unlimited epochs, ``max_steps``, early stopping,
+    validation every so many batches)."""
     epochs, every = trainer.max_epochs, trainer.check_val_every_n_epoch
     once_per_epoch = isinstance(trainer.val_check_interval, float) and (
         trainer.val_check_interval == 1.0
