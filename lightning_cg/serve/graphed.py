@@ -25,15 +25,9 @@ _MARK = "_lightning_cg_graphed"
 
 class GraphedTower:
     """A tower's forward through an :class:`~lightning_cg.engine.manager.EncoderGraphManager`
-    while inside ``with``; what :func:`graphed` returns.
+    inside ``with``; what :func:`graphed` returns.
 
-    Each ``with`` builds its manager on entering; its graphs live as long as this
-    object (and its ``manager``) is referenced, not past it, and ``stats`` stays
-    readable after the block.
-
-    Attributes:
-        tower: the served tower.
-        manager: the manager of the last ``with`` (None before the first).
+    Each ``with`` builds its ``manager`` on entering; its graphs live as long as this object.
     """
 
     def __init__(
@@ -48,15 +42,13 @@ class GraphedTower:
 
     @property
     def stats(self) -> dict[str, float]:
-        """The manager's counters (``hits``, ``items``, ...; see
-        :class:`~lightning_cg.core.stats.GraphStats`); empty before the first ``with``."""
+        """The manager's counters (see :class:`~lightning_cg.core.stats.GraphStats`); {} before."""
         return {} if self.manager is None else self.manager.stats.as_dict()
 
     def __enter__(self) -> GraphedTower:
         tower = self.tower
         if getattr(tower.__dict__.get("forward"), _MARK, False):
-            # Two managers on one forward: the inner exit would put back the outer's
-            # patch, not the tower's forward, and each would capture its own graphs.
+            # The inner exit would put back the outer's patch, not the tower's forward.
             raise RuntimeError(
                 f"{type(tower).__name__} is already inside graphed(...): nest no second "
                 "graphed(...) on the same tower; use the outer one"
@@ -84,7 +76,7 @@ class GraphedTower:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        # Runs for every exception, KeyboardInterrupt included; none is swallowed.
+        # Runs for every exception, KeyboardInterrupt included; swallows none.
         saved, self._saved = self._saved, None
         if saved is None:
             return
@@ -103,33 +95,21 @@ def graphed(
 ) -> GraphedTower:
     """Serve ``tower`` through budget-batched CUDA graph replay inside a ``with`` block.
 
-    On entering, an :class:`~lightning_cg.engine.manager.EncoderGraphManager` is built
-    around ``adapter_for(tower, adapter)`` and ``tower.forward`` is replaced by one
-    that runs every call through it: graphs where a budget fits, eager elsewhere,
-    the tower's own output format. On leaving, also by an exception or
-    KeyboardInterrupt, exactly the forward that was there before comes back.
-    Calls with gradients enabled run eagerly: wrap the loop in
-    ``torch.inference_mode()`` or ``torch.no_grad()``, and put the tower in eval
-    mode yourself. Without CUDA the same path runs without capture.
+    Inside, every call runs through the manager of ``adapter_for(tower, adapter)`` (graphs
+    where a budget fits, eager elsewhere, the tower's own output); leaving, also by an
+    exception, puts back exactly the forward that was there. Calls with gradients enabled run
+    eagerly: wrap the loop in ``torch.inference_mode()`` and put the tower in eval mode. Without
+    CUDA the same path runs without capture.
 
     Args:
-        tower: the vision tower.
-        adapter: as :func:`~lightning_cg.adapters.adapter_for`: ``packed``,
-            ``batched``, ``hf``, a GraphableEncoder, a callable that builds one,
-            or None to choose by the tower's type.
+        adapter: as for :func:`~lightning_cg.adapters.adapter_for`.
         config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
-        **options: :class:`~lightning_cg.engine.config.GraphConfig` fields instead
-            of ``config`` (``mode``, ``budgets``, ``capture``, ...).
-
-    Returns:
-        A :class:`GraphedTower`, the context manager; ``with`` yields it, with
-        ``.manager`` and ``.stats``.
+        **options: GraphConfig fields instead of ``config`` (``mode``, ``budgets``, ...).
 
     Raises:
         TypeError: ``tower`` is no ``torch.nn.Module``.
         RuntimeError: on entering, when ``tower`` is already inside ``graphed``.
-        ValueError, TypeError: on entering, for a tower no adapter fits or a bad
-            option (as ``adapter_for`` and ``EncoderGraphManager`` raise them).
+        ValueError, TypeError: on entering, as ``adapter_for`` and the manager raise them.
     """
     if not isinstance(tower, nn.Module):
         raise TypeError(f"graphed serves a torch.nn.Module's forward; got {type(tower).__name__}")
