@@ -1,16 +1,8 @@
 """Token budgets: the sizes a vision tower's CUDA graphs are captured at.
 
-A CUDA graph replays one static shape, so a sub-batch of items runs in the
-smallest captured graph its tokens fit, and the rows past its real tokens are
-padding. Padding costs real GPU time (a sub-batch just past a power of two
-nearly doubles its work), so the ladder of budgets must be fine where the real
-batches fall. ``pow2`` is the cheap-to-capture default; ``geometric`` with a
-small ratio bounds the padding of any sub-batch to about ``ratio - 1`` of its
-tokens at the cost of more graphs; ``auto``
-(:func:`lightning_cg.core.learned_budgets.learn_budgets`) spends K graphs where a
-sample of real batches falls, choosing the K budgets that pad the sample least.
-
-This module is pure Python: it must not import torch.
+A sub-batch runs in the smallest graph its tokens fit; the rest is padding. ``pow2`` is
+cheap to capture; ``geometric`` bounds padding to about ``ratio - 1`` with more graphs;
+``auto`` (:mod:`lightning_cg.core.learned_budgets`) fits K budgets to real batches.
 """
 
 from __future__ import annotations
@@ -84,22 +76,10 @@ def generate_budgets(
     ratio: float = 1.25,
     align: int = 16,
 ) -> list[int]:
-    """A ladder of token budgets from ``min_budget`` to ``max_budget``.
+    """Strictly increasing budgets, ``min_budget`` first and ``max_budget`` last.
 
-    Args:
-        min_budget: the smallest budget, always the first rung.
-        max_budget: the largest budget, always the last rung.
-        ladder: ``pow2`` doubles from ``min_budget``; ``geometric`` grows by
-            ``ratio`` and rounds each rung up to a multiple of ``align``.
-        ratio: growth factor of a ``geometric`` ladder, > 1.
-        align: rungs of a ``geometric`` ladder between the first and the last
-            are multiples of this, >= 1.
-
-    Returns:
-        Strictly increasing budgets, ``min_budget`` first and ``max_budget`` last.
-
-    Raises:
-        ValueError: an argument is out of range; the message names it.
+    ``pow2`` doubles from ``min_budget``; ``geometric`` grows by ``ratio`` (> 1) and
+    rounds the inner rungs up to a multiple of ``align``.
 
     Example:
         >>> generate_budgets(64, 1000)
@@ -117,15 +97,7 @@ def generate_budgets(
 
 
 def smallest_fitting_budget(tokens: int, budgets: Sequence[int]) -> int | None:
-    """The smallest budget that holds ``tokens``.
-
-    Args:
-        tokens: tokens to place; they fit a budget ``b`` when ``tokens <= b``.
-        budgets: the ladder, sorted ascending.
-
-    Returns:
-        The budget, or ``None`` when ``tokens`` exceed the largest one.
-    """
+    """The smallest of the ascending ``budgets`` >= ``tokens``; None above the largest."""
     index = bisect_left(budgets, tokens)
     return budgets[index] if index < len(budgets) else None
 
@@ -167,27 +139,11 @@ def resolve_budgets(
     ratio: float = 1.25,
     align: int = 16,
 ) -> tuple[list[int], int]:
-    """The budgets to capture and the most items one graph holds.
+    """``(budgets, max_items)``: the budgets to capture, ascending, and the items a graph holds.
 
-    What the user set wins; what they left out is derived from the tower's
-    ``(min_budget, max_budget)`` range. Every item is assumed to yield at least
-    ``min_budget`` tokens, so the largest budget holds ``max_budget // min_budget``
-    items; a graph of budget ``B`` never holds more than ``B`` items.
-
-    Args:
-        min_budget: the tower's smallest budget worth a graph.
-        max_budget: the tower's largest budget.
-        user_budgets: budgets the user asked for, or ``None``.
-        user_max_items: items per graph the user asked for, or ``None``.
-        ladder: ladder shape when budgets are generated, see :func:`generate_budgets`.
-        ratio: growth factor of a ``geometric`` ladder.
-        align: alignment of a ``geometric`` ladder.
-
-    Returns:
-        ``(budgets, max_items)``: budgets sorted ascending and unique.
-
-    Raises:
-        ValueError: a value is out of range; the message names the field.
+    What the user set wins; the rest derives from the tower's range. Every item is
+    assumed to yield at least ``min_budget`` tokens, so the largest budget holds
+    ``max_budget // min_budget`` items; a graph of budget ``B`` holds at most ``B`` items.
 
     Example:
         >>> resolve_budgets(64, 1024, None, None)

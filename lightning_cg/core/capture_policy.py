@@ -1,39 +1,8 @@
 """When a key is worth a graph: the capture rule.
 
-A key (the graph of one path at one budget) is captured once a gain is
-expected from it and either
-
-- the calls known to come (the rest of the run when its length is known, and
-  the runs known to follow, such as a fit's later validation runs) are
-  expected to repay its capture, or
-- the eager time already spent on it reaches what its capture is expected to
-  cost (ski rental: whatever comes next, a key costs at most about twice what
-  the better choice in hindsight would have, and keys that recur run after run
-  end up captured). In a run of known length only the time spent in earlier
-  runs counts: a key the rest of this run cannot repay is captured at its
-  first sighting of a later run, which has the whole run to repay it, rather
-  than late in this one.
-
+A key is captured once a graph is expected to gain and either the calls known to come
+repay its capture, or the eager time spent on it reaches its capture cost (ski rental).
 A graph measured slower than its key's eager runs sends the key back to eager.
-
-The estimates, from times the caller measures (CUDA events or a clock; this
-module is pure Python):
-
-- **eager time**: the key's median eager seconds per real token times the mean
-  real tokens of its sightings;
-- **graph time**: measured (the median of :data:`SAMPLES` replays); before that,
-  the nearest-sized measured graph of the path, per padded token; before any,
-  the path's eager calls fitted as ``fixed + per_token x tokens`` give
-  ``per_token x budget`` (a graph removes the launches, not the work, and
-  computes its padding), else :data:`PRIOR_GRAPH_RATIO` of the budget's eager
-  time. On a path of several sizes with no graph measured, never less than the
-  budget times the path's least eager seconds per token, since an eager call's
-  launches can hide its GPU work from the timing;
-- **capture cost**: the key's eager time times the capture/eager ratio measured
-  on its path (else on any path, else :data:`PRIOR_CAPTURE_RATIO`); the first
-  capture of a process also pays the CUDA libraries' one-time set-up, so it is
-  expected to cost :data:`FIRST_CAPTURE_FACTOR` times as much, and its time
-  teaches no ratio.
 """
 
 from __future__ import annotations
@@ -44,13 +13,11 @@ from dataclasses import dataclass, field
 
 #: Timings kept per key and kind; the median of them is used.
 SAMPLES = 3
-#: Sightings of a key before it may be captured: the first one's eager time
-#: arrives a call late.
+#: Sightings of a key before it may be captured: the first one's eager time arrives late.
 MIN_SIGHTINGS = 2
 #: Graph time / eager time of a full budget, assumed before the path tells more.
 PRIOR_GRAPH_RATIO = 0.5
-#: Capture time / eager time before a capture is measured: two warm-up
-#: forwards, the recorded one, graph instantiation and a synchronisation.
+#: Capture time / eager time before a capture is measured (warm-ups, record, instantiate).
 PRIOR_CAPTURE_RATIO = 5.0
 #: How much more than later ones the first capture of a process is expected to cost.
 FIRST_CAPTURE_FACTOR = 4.0
@@ -63,8 +30,7 @@ CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
 
 @dataclass
 class ProcessCaptures:
-    """Captures made in this process, by every manager: the first one pays the
-    CUDA libraries' set-up."""
+    """Captures made in this process; the first one pays the CUDA libraries' set-up."""
 
     count: int = 0
 
@@ -75,8 +41,7 @@ PROCESS_CAPTURES = ProcessCaptures()
 
 @dataclass
 class KeyRecord:
-    """What the policy knows of one key: its path and budget, its sightings, and
-    its measured eager, graph and capture times."""
+    """What the policy knows of one key: path, budget, sightings and measured times."""
 
     path: str
     size: int
@@ -126,10 +91,12 @@ class PathCosts:
 class CapturePolicy:
     """Decides per key whether to capture it now, from sightings and measured times.
 
+    In a run of known length only earlier runs' eager time counts toward ski rental, so
+    a key this run cannot repay is captured at the next run's start, not late in this one.
+
     Args:
         first_use: capture every key at its first sighting (``capture="first_use"``).
         drop_slower_graphs: :meth:`slower_than_eager` may send a key back to eager.
-        process: the captures made in this process (default: :data:`PROCESS_CAPTURES`).
 
     Example:
         >>> policy = CapturePolicy(process=ProcessCaptures())
@@ -158,11 +125,9 @@ class CapturePolicy:
         self._expected_calls: int | None = None
         self._later_runs = 0
 
-    # ----------------------------------------------------------- observations
-
     def begin_run(self, expected_calls: int | None, later_runs: int | None = None) -> None:
-        """A run starts that will call the tower ``expected_calls`` times and that
-        ``later_runs`` runs like it are known to follow (None: unknown)."""
+        """A run of ``expected_calls`` calls starts, ``later_runs`` like it to follow
+        (None: unknown)."""
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._later_runs = later_runs or 0
@@ -175,8 +140,7 @@ class CapturePolicy:
         self._run_calls += 1
 
     def sighted(self, key: Hashable, path: str, size: int, tokens: int) -> None:
-        """A sub-batch of ``path`` with ``tokens`` real tokens needs ``key`` (a graph
-        of ``size`` tokens), whether or not the key has a graph yet."""
+        """A sub-batch of ``tokens`` real tokens needs ``key`` (a graph of ``size`` tokens)."""
         record = self._keys.setdefault(key, KeyRecord(path, size))
         record.sightings += 1
         record.real_tokens += tokens
@@ -197,14 +161,13 @@ class CapturePolicy:
         return record is not None and len(record.graph_seconds) < SAMPLES
 
     def record_eager(self, key: Hashable, seconds: float, tokens: int) -> None:
-        """An eager run of a sub-batch of ``key`` with ``tokens`` real tokens took ``seconds``."""
+        """An eager run of ``key`` on ``tokens`` real tokens took ``seconds``."""
         record = self._keys[key]
         record.eager_seconds_per_token.append(seconds / max(tokens, 1))
         record.median_eager_per_token = statistics.median(record.eager_seconds_per_token)
 
     def record_eager_call(self, path: str, tokens: int, seconds: float) -> None:
-        """An eager run of ``path`` on ``tokens`` real tokens (one or more
-        sub-batches run together) took ``seconds``."""
+        """An eager run of ``path`` (one or more sub-batches) on ``tokens`` took ``seconds``."""
         self._path(path).add_call(tokens, seconds)
 
     def record_replay(self, key: Hashable, seconds: float) -> None:
@@ -214,8 +177,8 @@ class CapturePolicy:
         record.graph = statistics.median(record.graph_seconds)
 
     def record_capture(self, key: Hashable, seconds: float, keys: int = 1) -> None:
-        """Capturing ``keys`` keys for ``key`` took ``seconds``; their mean teaches
-        the path's capture/eager ratio, unless it was the process's first capture."""
+        """Capturing ``keys`` keys for ``key`` took ``seconds``; the process's first
+        capture teaches no capture/eager ratio."""
         first = self._process.count == 0
         self._process.count += keys
         record = self._keys.get(key)
@@ -228,8 +191,6 @@ class CapturePolicy:
             record.graph_seconds.clear()
             record.graph = None
             record.capture_ratio = None
-
-    # -------------------------------------------------------------- decisions
 
     def decide(self, key: Hashable) -> str:
         """:data:`CAPTURE` now, :data:`WAIT` (not yet repaid) or :data:`NO_GAIN`."""
@@ -255,9 +216,7 @@ class CapturePolicy:
         return len(record.graph_seconds) >= SAMPLES and record.graph > record.eager
 
     def known_sightings(self, record: KeyRecord) -> float:
-        """The key's sightings expected in the calls known to come: its share of
-        the calls so far times the rest of this run (if its length is known) and
-        the runs known to follow."""
+        """The key's expected sightings in the rest of this run and the runs known to follow."""
         remaining = 0
         run_calls = self._run_calls
         if self._expected_calls is not None:
@@ -267,7 +226,14 @@ class CapturePolicy:
         return share * (remaining + self._later_runs * run_calls)
 
     def graph_estimate(self, record: KeyRecord) -> float:
-        """Seconds of one replay of the key's graph (see the module docstring)."""
+        """Seconds of one replay of the key's graph.
+
+        Measured, else scaled from the path's nearest measured graph, else
+        ``per_token x budget`` of the path's eager cost line (a graph removes launches, not
+        work), else :data:`PRIOR_GRAPH_RATIO`. Unless graphs fuse work, with several sizes
+        seen it is never below the path's least eager seconds per token: launches can hide
+        an eager call's GPU work from its timing.
+        """
         if record.graph is not None:
             return record.graph
         measured = [
@@ -289,7 +255,8 @@ class CapturePolicy:
         return max(estimate, least * record.size)
 
     def capture_estimate(self, record: KeyRecord) -> float:
-        """Seconds the key's capture is expected to cost (see the module docstring)."""
+        """Seconds the key's capture is expected to cost: its eager time times the path's
+        (else any path's, else the prior) capture ratio; more for the process's first."""
         path_ratios = [r.capture_ratio for r in self._keys.values() if r.path == record.path]
         path_ratios = [ratio for ratio in path_ratios if ratio is not None]
         any_ratios = [r.capture_ratio for r in self._keys.values() if r.capture_ratio is not None]
@@ -315,8 +282,8 @@ class CapturePolicy:
 
 
 def _fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)`` samples; None
-    with fewer than two sizes or a slope the noise made negative."""
+    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)``; None with fewer
+    than two sizes or a non-positive slope."""
     if len({tokens for tokens, _ in samples}) < 2:
         return None
     mean_tokens = statistics.fmean(tokens for tokens, _ in samples)

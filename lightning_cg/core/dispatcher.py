@@ -1,21 +1,9 @@
 """Which graph, if any, runs a sub-batch: vLLM's cudagraph dispatcher for vision towers.
 
-A sub-batch is described by a :class:`BatchDescriptor` (tokens, items, whether
-all items are one size). The dispatcher pads its tokens to the smallest budget
-and looks the padded descriptor up in the keys it was built with, one set per
-runtime mode:
-
-- FULL keys: whole-tower graphs. ``full`` captures one per budget (relaxed keys:
-  tokens only); the separate-routine modes capture exact keys (budget, item
-  count, uniform) because their attention metadata is only static for uniform
-  batches of a fixed item count.
-- PIECEWISE keys: graphs of the pieces between attention ops, one per budget;
-  attention runs eagerly on exact metadata, so any batch of the budget fits.
-
-Lookup order: the exact FULL key, then the relaxed FULL key, then the
-PIECEWISE key, else eager (NONE).
-
-This module is pure Python: it must not import torch.
+FULL keys are whole-tower graphs: relaxed (tokens only) for ``full``, exact (budget, item
+count, uniform) for the separate-routine modes, whose attention metadata is static only
+for uniform batches. PIECEWISE keys are one per budget; attention runs eagerly between
+pieces. Lookup: exact FULL key, relaxed FULL key, PIECEWISE key, else eager (NONE).
 """
 
 from __future__ import annotations
@@ -28,11 +16,7 @@ from lightning_cg.core.budgets import smallest_fitting_budget
 
 
 class GraphMode(enum.Enum):
-    """A configured graph mode, or the runtime mode of one dispatch.
-
-    Configured modes say what uniform batches (all items one size) and mixed
-    batches run as; runtime modes are only NONE, PIECEWISE and FULL.
-    """
+    """A configured graph mode, or the runtime mode (NONE, PIECEWISE, FULL) of one dispatch."""
 
     NONE = "none"
     PIECEWISE = "piecewise"
@@ -62,14 +46,7 @@ class GraphMode(enum.Enum):
 
     @classmethod
     def parse(cls, value: str | GraphMode) -> GraphMode:
-        """A mode from its lower-case name, e.g. ``"full_and_piecewise"``.
-
-        Args:
-            value: a name or a :class:`GraphMode`, returned as is.
-
-        Raises:
-            ValueError: ``value`` names no mode; the message lists the allowed names.
-        """
+        """A mode from its lower-case name, e.g. ``"full_and_piecewise"``; a mode as is."""
         if isinstance(value, GraphMode):
             return value
         try:
@@ -126,17 +103,12 @@ class CudagraphDispatcher:
     """Picks the runtime mode and graph key of each sub-batch.
 
     Args:
-        mode: the configured :class:`GraphMode` or its name.
-        budgets: the token budgets graphs are captured at.
         uniform_item_counts: item counts of the exact uniform FULL keys, used by
             ``full_uniform_only`` and ``full_and_piecewise``; counts above a
             budget get no key at that budget (each item has at least one token).
-        mixed_item_counts: item counts of the FULL keys that ``full`` gives
-            mixed batches: a graph per budget and count, and a batch takes the
-            smallest count that holds its items (for graphs whose metadata has
-            a slot per item, where empty slots cost time). At each budget the
-            counts stop at ``min(budget, max(counts))``, which always has a
-            key. Empty: one graph per budget for any item count.
+        mixed_item_counts: item counts of ``full``'s mixed FULL keys (for metadata with a
+            slot per item, where empty slots cost time); a batch takes the smallest count
+            that holds it, up to ``min(budget, max(counts))``. Empty: one per budget.
 
     Example:
         >>> dispatcher = CudagraphDispatcher("full", [256, 1024])
@@ -181,17 +153,8 @@ class CudagraphDispatcher:
     def dispatch(
         self, desc: BatchDescriptor, disable_full: bool = False
     ) -> tuple[GraphMode, BatchDescriptor | None]:
-        """The runtime mode and graph key for a sub-batch.
-
-        Args:
-            desc: the sub-batch's real (unpadded) descriptor.
-            disable_full: skip FULL graphs, e.g. for a batch whose metadata a
-                FULL graph cannot hold.
-
-        Returns:
-            ``(FULL, key)``, ``(PIECEWISE, key)`` or ``(NONE, None)`` when no
-            graph serves the sub-batch (no tokens, above every budget, or no key).
-        """
+        """``(runtime mode, key)`` for a sub-batch's real descriptor; ``(NONE, None)``
+        when no graph serves it. ``disable_full`` skips FULL keys."""
         if desc.num_tokens <= 0:
             return GraphMode.NONE, None
         budget = smallest_fitting_budget(desc.num_tokens, self.budgets)
@@ -232,11 +195,8 @@ class CudagraphDispatcher:
         return BatchDescriptor(budget)  # more items than any key holds: no FULL key
 
     def capture_descriptors(self) -> list[tuple[GraphMode, BatchDescriptor]]:
-        """Every key to capture: PIECEWISE first, then FULL, largest first in each.
-
-        Largest first so that smaller graphs reuse the memory pool the largest
-        one allocated; ties put more items first.
-        """
+        """Every key to capture: PIECEWISE, then FULL, each largest (then most items) first,
+        so that smaller graphs reuse the pool the largest allocated."""
         return [
             (mode, key)
             for mode in (GraphMode.PIECEWISE, GraphMode.FULL)

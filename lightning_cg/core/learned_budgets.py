@@ -1,12 +1,4 @@
-"""Learned (``auto``) budget ladders: the K budgets that pad a sample of real batches least.
-
-Given the items of a few real batches, :func:`learn_budgets` packs them as the
-manager would, and :func:`choose_budgets` picks the K rungs that pad the
-sub-batches' token sums least (an exact dynamic program over candidate
-budgets); rungs the sample does not need split the widest gaps of the ladder.
-
-This module is pure Python: it must not import torch.
-"""
+"""Learned (``auto``) budget ladders: the K budgets that pad a sample of real batches least."""
 
 from __future__ import annotations
 
@@ -27,22 +19,11 @@ def _batches(sample_tokens: Sequence[int] | Sequence[Sequence[int]]) -> list[Seq
 def sub_batch_sums(
     sample_tokens: Sequence[int] | Sequence[Sequence[int]], max_budget: int, max_items: int
 ) -> list[int]:
-    """Tokens of each sub-batch that ``next_fit`` packing forms from a sample.
+    """Tokens of each sub-batch ``next_fit`` packing forms from a sample, batch by batch.
 
-    This is :func:`lightning_cg.core.packing.pack_items` with ``next_fit`` on one
-    path: each batch's items, smallest first, fill a sub-batch until the next
-    one would pass ``max_budget`` tokens or ``max_items`` items. The packing does
-    not depend on the ladder below ``max_budget``, so these sums are what any
-    ladder with that maximum serves.
-
-    Args:
-        sample_tokens: the tokens of each item of one batch, or a list of such
-            batches; each batch is packed on its own, as a call to the tower is.
-        max_budget: the largest budget; larger items run eagerly and are left out.
-        max_items: most items in one sub-batch.
-
-    Returns:
-        The positive token sums, batch by batch.
+    One path of :func:`lightning_cg.core.packing.pack_items`; it does not depend on the
+    ladder below ``max_budget``. ``sample_tokens`` is one batch's item tokens or a list
+    of batches, each packed on its own; items above ``max_budget`` run eagerly: left out.
 
     Example:
         >>> sub_batch_sums([[30, 10, 20], [50]], max_budget=32, max_items=4)  # 50: eager
@@ -70,10 +51,8 @@ def sub_batch_sums(
 
 
 def expected_padding(sums: Sequence[int], budgets: Sequence[int]) -> float:
-    """Padded tokens per real token when sub-batches of ``sums`` tokens run on ``budgets``.
-
-    Sums above the largest budget run eagerly and count nothing; this is the
-    manager's ``padding_waste`` for the same sub-batches.
+    """Padded tokens per real token (``padding_waste``) of sub-batches of ``sums`` tokens;
+    sums above the largest budget run eagerly and count nothing.
 
     Example:
         >>> expected_padding([100, 300], [128, 512])
@@ -93,11 +72,9 @@ def _candidate(total: int, min_budget: int, max_budget: int, step: int) -> int:
 def _least_padding_rungs(sums: Sequence[int], candidates: Sequence[int], count: int) -> list[int]:
     """The ``count`` candidates, the largest among them, that pad ``sums`` least.
 
-    A dynamic program over the sorted candidates: ``best[j]`` is the least
-    padding of the sums up to candidate ``j`` with a rung at ``j``. The cost of
-    serving a run of sums with its right end is a Monge matrix, so each layer's
-    best split points are monotone and divide and conquer finds them in
-    ``O(m log m)``. Ties go to the lower split point, so the result is deterministic.
+    ``best[j]``: least padding of the sums up to candidate ``j`` with a rung at ``j``. The
+    cost is a Monge matrix, so split points are monotone and divide and conquer finds
+    each layer in ``O(m log m)``; ties go to the lower split point.
     """
     m = len(candidates)
     # Sums grouped by their smallest fitting candidate; prefix counts and totals.
@@ -163,32 +140,12 @@ def _hedge_rung(budgets: Sequence[int], min_budget: int, step: int) -> int | Non
 def choose_budgets(
     sums: Sequence[int], k: int, min_budget: int, max_budget: int, align: int = 16
 ) -> list[int]:
-    """The ``k`` budgets that pad sub-batches of ``sums`` tokens least.
+    """At most ``k`` increasing budgets, ``max_budget`` last, that pad ``sums`` least.
 
-    Exact: the budgets minimise the total padding of the sums (the ones above
-    ``max_budget`` run eagerly) over every ladder of at most ``k`` rungs in
-    ``[min_budget, max_budget]`` whose rungs are ``min_budget``, ``max_budget``
-    or multiples of ``gcd(align, min_budget)``. That alignment keeps every
-    ``pow2`` ladder from ``min_budget`` and every ``geometric`` one with a
-    multiple of ``align`` as ``min_budget`` in the search, so the result never
-    pads the sample more than they do with as many rungs. When the sample
-    needs fewer than ``k`` rungs, the rest split the widest gaps of the ladder
-    (by ratio), so sizes the sample missed still find a budget near them.
-
-    Args:
-        sums: tokens of each sub-batch of the sample (see :func:`sub_batch_sums`).
-        k: most budgets, >= 1.
-        min_budget: the smallest budget allowed.
-        max_budget: the largest budget, always in the result.
-        align: rungs other than ``min_budget`` and ``max_budget`` are multiples
-            of ``gcd(align, min_budget)``.
-
-    Returns:
-        Strictly increasing budgets, at most ``k``, ``max_budget`` last; the same
-        sums in any order give the same budgets.
-
-    Raises:
-        ValueError: an argument is out of range; the message names it.
+    Exact over ladders whose rungs are ``min_budget``, ``max_budget`` or multiples of
+    ``gcd(align, min_budget)``; that keeps the ``pow2`` and aligned ``geometric`` ladders
+    in the search, so the result never pads the sample more than they do. Rungs the
+    sample does not need split the widest gaps (by ratio), for sizes it missed.
 
     Example:
         >>> choose_budgets([100, 100, 300], k=3, min_budget=16, max_budget=1024)
@@ -224,24 +181,7 @@ def learn_budgets(
     max_items: int,
     align: int = 16,
 ) -> list[int]:
-    """The ``k`` budgets that pad the sub-batches of a sample of item sizes least.
-
-    The sample is packed the way the manager packs (:func:`sub_batch_sums`), and
-    :func:`choose_budgets` picks the ladder for the sub-batch sums.
-
-    Args:
-        sample_tokens: the tokens of each item of one batch, or a list of batches.
-        k: most budgets, >= 1.
-        min_budget: the smallest budget allowed.
-        max_budget: the largest budget, always in the result.
-        max_items: most items in one sub-batch.
-        align: see :func:`choose_budgets`.
-
-    Returns:
-        Strictly increasing budgets, at most ``k``, ``max_budget`` last.
-
-    Raises:
-        ValueError: an argument is out of range; the message names it.
+    """:func:`choose_budgets` for the sub-batches (:func:`sub_batch_sums`) of a sample.
 
     Example:
         >>> learn_budgets([[100], [60, 40], [300]], 3, min_budget=16, max_budget=1024, max_items=4)

@@ -1,20 +1,9 @@
 """Packing variable-size items into sub-batches that fit the token budgets.
 
-Each item costs tokens on each encoder path (``{"local": 256, "global": 64}``).
-A sub-batch runs on each path in that path's smallest fitting budget, so how
-items are grouped decides how much padding the graphs compute. Two strategies:
-
-- ``next_fit``: vLLM's greedy. Items sorted by size, smallest first, fill a
-  sub-batch until the next one would break the item count or a path's largest
-  budget. Cheap and good when budgets are fine.
-- ``min_padding``: a dynamic program over the same sorted order that picks the
-  cut points minimising padding (then the number of sub-batches). It never pads
-  more than ``next_fit``.
-
-An item larger than a path's largest budget fits no graph: it is a sub-batch of
-its own and runs eagerly, so it counts no padding.
-
-This module is pure Python: it must not import torch.
+``next_fit`` (vLLM's greedy): items, smallest first, fill a sub-batch until the next
+would break the item count or a path's largest budget. ``min_padding``: a dynamic
+program over the same order that cuts where padding (then sub-batches) is least; it
+never pads more than ``next_fit``. An item above a path's largest budget runs alone.
 """
 
 from __future__ import annotations
@@ -80,17 +69,10 @@ def padded_tokens(
     item_tokens: Sequence[Mapping[str, int]],
     budgets: Mapping[str, Sequence[int]],
 ) -> int:
-    """Padding tokens the graphs compute for a packing.
+    """Padding tokens the graphs compute for a packing (:func:`pack_items`' sub-batches).
 
-    Args:
-        sub_batches: item indices per sub-batch, as :func:`pack_items` returns.
-        item_tokens: tokens per path of each item.
-        budgets: the token ladder of each path.
-
-    Returns:
-        The sum over sub-batches and paths of the smallest fitting budget minus
-        the real tokens. A path a sub-batch has no tokens on is skipped, and a
-        sub-batch above a path's largest budget runs eagerly: both count zero.
+    A path a sub-batch has no tokens on, and a sub-batch above a path's largest
+    budget (eager), count zero.
     """
     ladders = _sorted_ladders(budgets)
     _check_items(item_tokens, ladders)
@@ -204,21 +186,15 @@ def pack_items(
     """Group items into sub-batches that fit the graphs.
 
     Args:
-        item_tokens: tokens per path of each item, e.g. ``{"local": 256}``; a
-            path an item does not name counts zero tokens.
-        max_items: most items in one sub-batch, >= 1.
-        max_budgets: the largest budget of each path; a sub-batch's tokens on a
-            path stay within it.
+        item_tokens: tokens per path of each item, e.g. ``{"local": 256}``; a path an
+            item does not name counts zero.
+        max_budgets: the largest budget of each path.
         strategy: ``next_fit`` or ``min_padding`` (see the module docstring).
         budgets: the token ladder of each path; required by ``min_padding``.
 
     Returns:
-        Sub-batches of original item indices, each index exactly once, smallest
-        items first. Items above a path's max budget come last, one per
-        sub-batch, so they cannot push small items out of a graph.
-
-    Raises:
-        ValueError: an argument is invalid; the message names it.
+        Sub-batches of item indices, each once, smallest items first; items above a
+        path's max budget come last, one per sub-batch.
 
     Example:
         >>> pack_items([{"p": 30}, {"p": 10}, {"p": 20}], 2, {"p": 32})

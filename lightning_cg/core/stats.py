@@ -16,24 +16,14 @@ EAGER_REASONS = (
 
 @dataclass
 class GraphStats:
-    """Counters of one manager, over its lifetime or, for the ``*_run`` fields
-    and the per-call counters, since :meth:`reset_run`.
+    """Counters of one manager: lifetime ones (:attr:`LIFETIME`), the rest since :meth:`reset_run`.
 
-    A hit is one path of one sub-batch served by a graph, a miss one that ran
-    eagerly; piecewise hits are the hits served by PIECEWISE pieces. Padded
-    tokens are the budget rows a replay computed beyond the real ones. Graphs
-    count the CUDA graphs held: one per FULL key, one per piece of a PIECEWISE
-    key; graphs captured those of this run. Pool bytes are how much reserved CUDA
-    memory grew while capturing (the graphs' shared pool, their static input
-    buffers, the weight copies they read); blocks the allocator held free hide.
-    Host seconds add up the host time of replays (metadata, copies, launch,
-    clone; nothing waits for the GPU), launch seconds the part of it spent in
-    the graph launch itself (the CUDA driver's work, not the manager's); compile
-    seconds the first graph forwards of a compiled encoder (part of the capture
-    seconds), over the manager's lifetime and in this run. The ``eager_*``
-    counters split the misses by reason (:data:`EAGER_REASONS`). Checked replays
-    (and their real tokens) are replays also run eagerly to compare: a graph's
-    first padded one.
+    A hit is one path of one sub-batch served by a graph, a miss one run eagerly (split
+    by reason in ``eager_*``). Graphs count CUDA graphs held (one per FULL key, one per
+    piece of a PIECEWISE key). Pool bytes: reserved CUDA memory growth while capturing.
+    Host seconds: replays' host time (nothing waits for the GPU); launch seconds: its
+    graph-launch part. Compile seconds: a compiled encoder's first forwards (part of
+    capture). Checked replays: replays also run eagerly to compare.
     """
 
     hits: int = 0
@@ -81,8 +71,7 @@ class GraphStats:
 
     @property
     def launch_us_per_replay(self) -> float:
-        """Host microseconds of one replay's graph launch, on average; the rest
-        of :attr:`host_us_per_replay` is the manager's own work."""
+        """Host microseconds of one replay's graph launch, on average."""
         return 1e6 * self.launch_seconds / self.hits if self.hits else 0.0
 
     def count_eager(self, reason: str) -> None:
