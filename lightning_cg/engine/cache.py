@@ -1,11 +1,4 @@
-"""The graph cache: the one record of what is captured, under named keys.
-
-A graph is found by a :class:`GraphKey`: the graph set (the adapter's
-signature of the batches and the autocast dtype they ran under), the encoder
-path, the runtime mode and the dispatcher's batch descriptor. The cache also
-owns the one memory pool all graphs capture into, and lets the graphs of one
-budget share their input buffers.
-"""
+"""The graph cache: what is captured, by :class:`GraphKey`, and the one pool they share."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ from lightning_cg.engine.static_inputs import StaticInputs
 class GraphSet:
     """The batches one set of graphs serves: adapter signature and autocast state.
 
-    Hashed on every key lookup of a call, so its hash is computed once.
+    Hashed on every key lookup, so the hash is computed once.
     """
 
     signature: Hashable
@@ -41,11 +34,7 @@ class GraphSet:
 
 @dataclass(frozen=True)
 class GraphKey:
-    """Which graph serves a sub-batch on one path.
-
-    A key is looked up several times per call (cache, capture policy), so its
-    hash is computed once.
-    """
+    """Which graph serves a sub-batch on one path (hash computed once)."""
 
     graph_set: GraphSet
     path: str
@@ -63,12 +52,8 @@ class GraphKey:
 
 @dataclass
 class CapturedGraph:
-    """Static buffers of one key and how to run the tower on them.
-
-    ``run`` replays the FULL graph or the PIECEWISE pieces (without CUDA, runs
-    the graph forward or the pieces eagerly) on the buffers and returns the
-    output, which the next run overwrites.
-    """
+    """Static buffers of one key and ``run``, which replays its graph or pieces (without
+    CUDA: runs them eagerly) and returns the output the next run overwrites."""
 
     spec: CaptureSpec
     buffers: dict[str, torch.Tensor]
@@ -118,15 +103,9 @@ class GraphCache:
         """Hold ``graph`` under ``key``."""
         self._graphs[key] = graph
 
-    def items(
-        self, graph_set: GraphSet | None = None, path: str | None = None
-    ) -> Iterator[tuple[GraphKey, CapturedGraph]]:
-        """The keys and graphs of one graph set and/or path (None: any)."""
-        for key, graph in list(self._graphs.items()):
-            if (graph_set is None or key.graph_set == graph_set) and (
-                path is None or key.path == path
-            ):
-                yield key, graph
+    def items(self) -> Iterator[tuple[GraphKey, CapturedGraph]]:
+        """Every key and its graph."""
+        return iter(list(self._graphs.items()))
 
     def keys(self) -> list[GraphKey]:
         """Every key captured."""
@@ -142,14 +121,10 @@ class GraphCache:
         return sum(graph.num_cuda_graphs for graph in self._graphs.values())
 
     def drop(
-        self,
-        paths: Sequence[str],
-        graph_set: GraphSet | None = None,
-        from_budget: int = 0,
-        mode: GraphMode | None = None,
+        self, paths: Sequence[str], from_budget: int = 0, mode: GraphMode | None = None
     ) -> None:
-        """Forget the graphs of ``paths`` (of one graph set, mode, and from a budget up)."""
-        for key, _ in self.items(graph_set):
+        """Forget the graphs of ``paths`` (of one mode, and from a budget up)."""
+        for key, _ in self.items():
             if (
                 key.path in paths
                 and key.descriptor.num_tokens >= from_budget
@@ -186,13 +161,9 @@ class GraphCache:
     def share_buffers(
         self, spec: CaptureSpec, buffers: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """``buffers``, each replaced by an equal-shaped one of a captured graph of
-        the same path, budget and signature (filled with the new capture values).
-
-        Graphs replay one at a time and every replay fills its buffers first,
-        so the graphs of one budget (one per item count) need one set of input
-        buffers, not one each.
-        """
+        """``buffers``, each replaced by an equal-layout one of a graph of the same path,
+        budget and signature (filled with the new values): graphs replay one at a time
+        and fill their buffers first, so one budget's graphs can share one set."""
         for graph in self._graphs.values():
             other = graph.spec
             if (other.path, other.token_budget, other.signature) != (

@@ -1,13 +1,7 @@
 """CallRunner: run one call of the tower, sub-batch by sub-batch.
 
-The call's plan (:meth:`~lightning_cg.engine.plan.Plan.call_plan`, remembered per
-call shape) packs its items into sub-batches and gives each path of each the
-key of its graph; the :class:`~lightning_cg.engine.routing.Router` says how the
-path runs (that graph, or eagerly); graphs are replayed at once
-and every all-eager sub-batch runs together in one eager call, timed where the
-capture policy still needs eager times. The rows are kept per sub-batch
-(:class:`~lightning_cg.engine.outputs.CallOutputs`). Whether a call may use graphs at
-all is the manager's decision; the runner runs it either way.
+Graphs are replayed at once; every all-eager sub-batch runs together in one eager call,
+timed where the capture policy still needs eager times.
 """
 
 from __future__ import annotations
@@ -39,17 +33,7 @@ from lightning_cg.engine.routing import Route, Router, SubBatch
 
 
 class CallRunner:
-    """Runs calls through the graphs the router picks, eager elsewhere.
-
-    Args:
-        encoder: the adapter around the tower.
-        config: the graph options.
-        plans: the current plan.
-        cache: the captured graphs.
-        capturer: captures the keys the router decides to capture.
-        policy: the capture policy, told of every call and of the times measured.
-        stats: the counters of served calls.
-    """
+    """Runs calls through the graphs the router picks, eager elsewhere."""
 
     def __init__(
         self,
@@ -69,8 +53,8 @@ class CallRunner:
         self.stats = stats
         self.timer = CallTimer()
         self.router = Router(config, plans, cache, capturer, policy, stats, self.timer)
-        #: Called with a description when a compiled graph's first replay differs
-        #: from eager; None while graphs are not compiled. Its rows are then eager's.
+        #: Called when a compiled graph's first replay differs from eager (its rows are
+        #: then eager's); None while graphs are not compiled.
         self.on_compiled_mismatch: Callable[[str], None] | None = None
 
     def forget_graphs(self) -> None:
@@ -79,17 +63,16 @@ class CallRunner:
 
     def run_eagerly(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
         """Every path of the whole call eagerly, as one sub-batch."""
-        call = _Call(None, torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
+        call = _Call(torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
         self._run_eagerly(call, self._sub_batch(inputs, list(range(len(specs))), specs))
         return call.outputs
 
     def run(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
-        """Route each sub-batch of the call, replay its graphs, then run what is
-        eager as one eager call; the rows are kept per sub-batch."""
+        """Route each sub-batch, replay its graphs, then run what is eager as one call."""
         self.policy.called()
         self.timer.collect()
         graph_set = GraphSet(self.encoder.graph_signature(inputs), autocast_key())
-        call = _Call(graph_set, torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
+        call = _Call(torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
         eager_items: list[int] = []
         eager_routes: list[Route] = []
         for planned in self.plans.plan.call_plan(graph_set, specs):
@@ -127,10 +110,8 @@ class CallRunner:
         return on_cuda
 
     def _run_eager_items(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> None:
-        """Run the items of every all-eager sub-batch in one eager call.
-
-        Keys the policy still needs eager times of share the call's time by tokens.
-        """
+        """Run every all-eager sub-batch's items in one eager call; keys the policy still
+        needs eager times of share its time by tokens."""
         timed = [route for route in routes if route.key is not None and route.tokens]
         timed = [route for route in timed if self.policy.wants_eager_timing(route.key)]
         if not timed:
@@ -185,13 +166,11 @@ class CallRunner:
         rows: torch.Tensor,
         padded: bool,
     ) -> torch.Tensor:
-        """A graph's first padded replay (and a compiled graph's first replay) against
-        eager on the same rows; on a mismatch the eager rows serve.
+        """A graph's first padded replay (and a compiled graph's first) against eager on the
+        same rows; on a mismatch the eager rows serve.
 
-        Padding adds rows the tower never saw eagerly: a tower whose rows interact
-        (a normalisation over the batch, a scale by the batch size) changes its real
-        rows' outputs, and its key runs eagerly from then on. A compiled graph that
-        differs drops compiling instead (inductor can miscompile a block for some sizes).
+        A tower whose rows interact changes its real rows when padded: its key runs
+        eagerly from then on. A compiled graph that differs drops compiling instead.
         """
         graph = route.graph
         eager = self._eager(call, path, sub_batch)
@@ -246,12 +225,11 @@ class CallRunner:
             "implement GraphableEncoder.item_specs to state its rows."
         )
 
-    def _eager_forward(self, path: str, inputs: Any, inference_mode: bool = True) -> torch.Tensor:
-        """The path eagerly, in inference mode if asked and the caller is without
-        grad (it launches faster than plain no_grad), else in the caller's mode."""
-        # Never inference_mode(False): entering it turns grad mode on, so a caller
-        # in no_grad would build autograd graphs (host time, saved activations).
-        # Entering it again when it is on costs host time and changes nothing.
+    def _eager_forward(self, path: str, inputs: Any, inference_mode: bool) -> torch.Tensor:
+        """The path eagerly, in inference mode if asked and without grad (it launches
+        faster than no_grad), else in the caller's mode."""
+        # Never inference_mode(False): it turns grad mode on, so a no_grad caller would
+        # build autograd graphs. Entering it when it is on costs host time for nothing.
         if inference_mode and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 return self.encoder.eager_forward(path, inputs)
@@ -265,14 +243,10 @@ def _padded(graph: CapturedGraph, tokens: int, items: int) -> bool:
 
 
 class _Call:
-    """What one call carries through its sub-batches: its graph set (None runs
-    everything eagerly), whether the caller was in inference mode, and the rows."""
+    """What one call carries through its sub-batches: the caller's inference mode, the rows."""
 
-    __slots__ = ("graph_set", "inference_mode", "outputs")
+    __slots__ = ("inference_mode", "outputs")
 
-    def __init__(
-        self, graph_set: GraphSet | None, inference_mode: bool, outputs: CallOutputs
-    ) -> None:
-        self.graph_set = graph_set
+    def __init__(self, inference_mode: bool, outputs: CallOutputs) -> None:
         self.inference_mode = inference_mode
         self.outputs = outputs

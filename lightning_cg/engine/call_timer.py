@@ -1,13 +1,8 @@
 """Time individual runs without making the GPU wait.
 
-On CUDA a run is bracketed by two events on the current stream; the elapsed
-time is read once the end event has completed (:meth:`CallTimer.collect`
-polls, it never synchronises unless asked to). A run costs the longer of that
-GPU time and the host time spent launching it: events alone under-time a run
-whose kernels queued behind earlier work while the host was still launching
-them, and a launch-bound eager run would look cheaper than it is. On the CPU a
-clock is read around the run. Only the few runs the capture policy asks about
-are timed.
+On CUDA, events bracket a run and are read once complete (polled, never synchronised).
+A run costs the longer of GPU and host launch time: events alone under-time a run whose
+kernels queued behind earlier work, so a launch-bound run would look cheap.
 """
 
 from __future__ import annotations
@@ -74,11 +69,7 @@ class CallTimer:
 
 
 def time_ms(run: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
-    """Mean milliseconds of ``run()`` on the current CUDA stream, timed by CUDA events.
-
-    Runs back to back, so what is timed is what limits a stream of them: the
-    GPU, or the CPU launching its kernels.
-    """
+    """Mean milliseconds of ``run()`` back to back on the current CUDA stream (CUDA events)."""
     for _ in range(warmup):
         run()
     start = torch.cuda.Event(enable_timing=True)

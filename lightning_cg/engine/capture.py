@@ -1,16 +1,8 @@
 """Capture: record the graphs of given keys, and recover from what a capture can hit.
 
-:class:`GraphCapturer` records FULL graphs (the whole graph forward) and
-PIECEWISE pieces (the graph forward split at its attention ops) into the
-cache's one memory pool, largest budget first. What goes wrong is handled by
-kind (:mod:`lightning_cg.engine.faults`): out of memory drops the failing budget and
-the larger ones of its path and retries; a tower a graph cannot hold (a host
-sync, a CPU op) turns its path eager; a tower PIECEWISE cannot split falls
-back by ``piecewise_fallback``; any other error raises, or with
-``capture_errors="eager"`` turns every path eager. Each warns once with the
-cause and the fix. Under autocast a FULL graph is captured reading
-low-precision weight copies (:mod:`lightning_cg.engine.weight_casts`) when a warm-up
-with them agrees with one without.
+Out of memory drops the failing budget and larger ones and retries; an uncapturable
+tower turns its path eager; an unsplittable one falls back by ``piecewise_fallback``;
+any other error raises, or with ``capture_errors="eager"`` turns every path eager.
 """
 
 from __future__ import annotations
@@ -54,25 +46,16 @@ _FALLBACK_MODES = {
     },
     "full": {GraphMode.PIECEWISE: GraphMode.FULL, GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL},
 }
-#: Largest relative difference between warm-ups with and without the weight
-#: copies that still lets a graph read them: the casts are the same, so the
-#: outputs agree to the bit unless the tower uses a weight outside autocast.
+#: Largest relative difference of warm-ups with and without the weight copies that lets
+#: a graph read them (they agree to the bit unless a weight is used outside autocast).
 CAST_TOLERANCE = 1e-3
 
 
 class GraphCapturer:
     """Captures keys into a :class:`GraphCache`, changing the plans a fault rules out.
 
-    Args:
-        encoder: the adapter whose graph forward is captured.
-        config: the graph configuration (``capture_errors``, ``piecewise_fallback``,
-            ``splitting_ops``).
-        plans: the current plan, which faults replace.
-        cache: where captured graphs go.
-        stats: counts graphs and capture seconds.
-        progress: called after each capture as ``progress(done, total, spec)``.
-        weight_casts: low-precision weight copies FULL graphs read under
-            autocast (None: every replay casts).
+    Under autocast, FULL graphs read ``weight_casts`` (None: every replay casts) when a
+    warm-up with them agrees with one without.
     """
 
     def __init__(
@@ -100,15 +83,7 @@ class GraphCapturer:
         self.capture_error: str | None = None
 
     def capture(self, keys: Sequence[GraphKey]) -> float:
-        """Capture those of ``keys`` not captured yet; returns the seconds it took.
-
-        Keys a fault rules out (a dropped budget, an eager path) are skipped.
-
-        Raises:
-            PiecewiseUnsupported: a path cannot be split and ``piecewise_fallback``
-                is ``error``.
-            Exception: any other error of the capture with ``capture_errors="raise"``.
-        """
+        """Capture those of ``keys`` not captured nor ruled out; returns the seconds it took."""
         started = time.perf_counter()
         reserved_before = _reserved_bytes()
         stats = self.stats
@@ -137,8 +112,8 @@ class GraphCapturer:
                 continue
             if failure is None:
                 break
-            # Out of the except clause: the error's frames, which hold the failed
-            # graph and its buffers, are gone before the memory is freed.
+            # Out of the except clause: the error's frames (holding the failed graph and
+            # its buffers) are gone before the memory is freed.
             key, fault = failure
             if fault.kind == CAPTURE_FAILED:
                 self.stop_capturing(fault)
@@ -158,8 +133,8 @@ class GraphCapturer:
             self._warn_out_of_memory(path, budgets)
 
     def _still_wanted(self, keys: list[GraphKey]) -> list[GraphKey]:
-        """Keys not captured whose path still graphs their budget, largest first
-        (smaller graphs reuse the pool blocks of larger ones)."""
+        """Keys not captured whose path still graphs their budget, largest first (smaller
+        graphs reuse the pool blocks of larger ones)."""
         paths = self.plans.plan.paths
         wanted = [
             key
@@ -172,10 +147,7 @@ class GraphCapturer:
 
     def _capture_keys(self, keys: list[GraphKey]) -> tuple[GraphKey, CaptureFault] | None:
         """Capture ``keys`` in turn; the first that fails with a known fault, and the fault.
-
-        On a fault the keys this call captured are dropped again, so that their
-        memory is free for what is tried next.
-        """
+        On a fault this call's graphs are dropped, freeing their memory for the retry."""
         captured: list[GraphKey] = []
         for done, key in enumerate(keys, start=1):
             plan = self.plans.plan
@@ -219,8 +191,7 @@ class GraphCapturer:
     def _record(
         self, path: str, buffers: dict[str, torch.Tensor], pool: object
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream so lazy initialisation (cuBLAS handles,
-        # autotuning) stays out of the graph.
+        # Warm up on a side stream so lazy initialisation stays out of the graph.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -236,13 +207,9 @@ class GraphCapturer:
         return cuda_graph, output
 
     def _warm_up(self, path: str, buffers: dict[str, torch.Tensor]) -> torch.dtype | None:
-        """One warm-up forward, with the weight copies when they may serve; the
-        autocast dtype to capture with copies, or None.
-
-        The first capture with copies of a dtype runs a second forward without
-        them and keeps the copies only if the two agree; later captures trust
-        that (the same weights and ops, another budget) and warm up once.
-        """
+        """One warm-up forward, with the weight copies when they may serve; the autocast
+        dtype to capture with copies, or None. The first capture of a dtype also runs one
+        without them and keeps the copies only if the two agree."""
         dtype = self._cast_dtype()
         if dtype is None:
             self.encoder.graph_forward(path, buffers)
@@ -293,8 +260,6 @@ class GraphCapturer:
             self.config.splitting_ops,
             name=f"{type(self.encoder).__name__}.graph_forward on path {path!r}",
         )
-
-    # ------------------------------------------------------------------ faults
 
     def _fall_back(self, paths: Sequence[str], error: PiecewiseUnsupported) -> None:
         """Give ``paths`` a mode without PIECEWISE keys, or raise ``error``."""

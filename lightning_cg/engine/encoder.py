@@ -1,17 +1,8 @@
-"""The contract between a vision tower and the graph manager.
+"""The contract between a vision tower and the graph manager: :class:`GraphableEncoder`.
 
-A tower becomes graphable through an adapter that implements
-:class:`GraphableEncoder`. The manager never looks inside the tower: it asks the
-adapter how many tokens each item costs on each encoder path, for static input
-buffers of a given size, and to run the tower on those buffers.
-
-Vocabulary:
-    item: one image or video of a batch (one row of a batch-first tower).
-    path: one pass of the tower over (a view of) the items, graphed on its own
-        token ladder, e.g. ``local`` (native resolution) and ``global`` (a
-        fixed low-resolution view).
-    token budget: the number of output tokens a captured graph holds; a
-        sub-batch runs in the smallest budget its tokens fit.
+An item is one image or video of a batch; a path is one pass of the tower over (a view
+of) the items, graphed on its own token ladder (e.g. ``local`` and ``global``); a token
+budget is the number of output tokens a captured graph holds.
 """
 
 from __future__ import annotations
@@ -22,10 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-#: Padding rules for the rows of a static buffer past the real data.
-#: ``zero``: zeros. ``repeat_last``: the last real row repeated, which turns
-#: cumulative offsets such as ``cu_seqlens`` into empty sequences, so padding
-#: tokens cost no attention.
+#: Padding rules for a static buffer's rows past the real data. ``repeat_last`` turns
+#: offsets such as ``cu_seqlens`` into empty sequences: padding costs no attention.
 PADDING_RULES = ("zero", "repeat_last")
 #: How ``compile=True`` treats a graph forward's shapes (:attr:`EncoderGraphConfig.compile_shapes`).
 COMPILE_SHAPES = ("static", "dynamic")
@@ -36,13 +25,10 @@ class ItemSpec:
     """What one item costs.
 
     Attributes:
-        input_size: rows of the tower's input this item occupies (patches for a
-            packed tower, 1 for a batch-first tower).
-        output_tokens: rows of output this item produces over all paths.
-        path_tokens: output tokens per encoder path; these count against the
-            path's token budgets.
-        num_frames: attention sequences this item adds (frames of a video, 1
-            for an image); graphs hold a fixed number of them.
+        input_size: rows of the tower's input (patches, or 1 for a batch-first tower).
+        output_tokens: output rows over all paths.
+        path_tokens: output tokens per path, counted against its budgets.
+        num_frames: attention sequences this item adds (1 for an image).
     """
 
     input_size: int
@@ -56,14 +42,10 @@ class PathConfig:
     """One encoder path.
 
     Attributes:
-        min_token_budget: the smallest budget worth a graph on this path.
-        allow_zero_tokens: items may have no tokens on this path (the path is
-            off for them); a sub-batch with zero tokens skips the path.
-        per_item_metadata: the graph's metadata holds a slot per item it may
-            serve (e.g. an attention sequence per frame) and empty slots cost
-            time, so FULL graphs of mixed batches are captured at each
-            power-of-two item count of a budget, and a sub-batch replays the
-            one with the fewest slots that hold it. False: one graph per budget.
+        allow_zero_tokens: items may have no tokens on this path; such sub-batches skip it.
+        per_item_metadata: the graph's metadata has a slot per item and empty slots
+            cost time, so mixed FULL graphs are captured per power-of-two item count
+            and a sub-batch replays the one with the fewest slots that hold it.
     """
 
     min_token_budget: int
@@ -76,19 +58,11 @@ class EncoderGraphConfig:
     """What an adapter tells the manager about its tower.
 
     Attributes:
-        modalities: the kinds of items the tower takes, e.g. ``("image", "video")``.
         paths: encoder paths by name, in the order their outputs are joined.
-        padding_rules: static buffer name -> one of :data:`PADDING_RULES`;
-            buffers not named are zero-padded.
-        max_frames_per_item: most frames one item may have (1 for images).
-        out_hidden_size: width of one output token.
-        compile_shapes: how ``compile=True`` compiles the graph forward.
-            ``dynamic``: once, with symbolic sizes, for every budget (packed
-            towers, whose calls need many token budgets). ``static``: the first
-            budget's shapes as they are, which gives faster kernels and a
-            shorter compile, and a recompile with the sizes that changed made
-            symbolic once a second budget is captured (torch.compile's default;
-            for batch-first towers, whose calls come in one or two batch sizes).
+        padding_rules: static buffer name -> one of :data:`PADDING_RULES` (default zero).
+        compile_shapes: ``dynamic`` compiles once with symbolic sizes for every budget
+            (packed towers); ``static`` compiles the first budget's shapes (faster
+            kernels) and recompiles symbolically at a second (batch-first towers).
     """
 
     modalities: tuple[str, ...]
@@ -118,13 +92,8 @@ class EncoderGraphConfig:
 class CaptureSpec:
     """The static shape of one graph: what ``capture_inputs`` must allocate for.
 
-    Attributes:
-        path: the encoder path this graph runs.
-        token_budget: output tokens the graph holds.
-        max_items: items the graph's metadata holds.
-        max_frames: attention sequences the graph's metadata holds.
-        signature: the adapter's :meth:`GraphableEncoder.graph_signature` of the
-            batches this graph serves (e.g. per-item shape and dtype).
+    ``max_items`` and ``max_frames`` are what the graph's metadata holds; ``signature``
+    is :meth:`GraphableEncoder.graph_signature` of the batches it serves.
     """
 
     path: str
@@ -138,20 +107,14 @@ class CaptureSpec:
 class GraphableEncoder(Protocol):
     """A vision tower the manager can capture and replay.
 
-    ``inputs`` below is whatever the adapter builds from the tower's call
-    arguments (see :meth:`inputs_from_call`); the manager passes it back
-    untouched. Implement this for your own tower; ``adapters/batched.py`` and
-    ``adapters/packed.py`` are worked examples.
+    ``inputs`` is whatever :meth:`inputs_from_call` builds; the manager passes it back
+    untouched. ``adapters/batched.py`` and ``adapters/packed.py`` are worked examples.
 
-    Optionally, ``postprocess_joined(path_rows, inputs)`` builds the same output
-    as :meth:`postprocess` from ``{path: rows of every item, in item order}``;
-    the manager calls it instead when a call's rows come in one piece per path,
-    which saves splitting them per item and joining them again. And
-    ``collects_layer_outputs(path, buffers)`` says whether the graph of
-    ``buffers`` serves calls that collect per-layer outputs in a Python list
-    (transformers' ``output_attentions``): with ``compile_scope`` blocks those
-    graphs capture the uncompiled forward, since one compiled block would
-    compile again for every block.
+    Optional: ``postprocess_joined(path_rows, inputs)`` builds :meth:`postprocess`'s
+    output from ``{path: every item's rows in order}`` (no per-item split);
+    ``collects_layer_outputs(path, buffers)`` says whether a graph serves calls that
+    collect per-layer outputs in a list: with compiled blocks those capture the
+    uncompiled forward, since each block would compile again.
     """
 
     def graph_config(self) -> EncoderGraphConfig:
@@ -175,34 +138,23 @@ class GraphableEncoder(Protocol):
         ...
 
     def graph_signature(self, inputs: Any) -> Hashable:
-        """What a graph must match besides size (per-item shape, dtype).
-
-        Batches with a new signature get their own set of graphs.
-        """
+        """What a graph must match besides size (per-item shape, dtype); one graph set each."""
         ...
 
     def capture_inputs(self, spec: CaptureSpec) -> dict[str, torch.Tensor]:
-        """Static buffers for one graph, filled with valid dummy data.
-
-        Every buffer is indexed by rows on dim 0; :meth:`replay_inputs` returns a
-        tensor per buffer name whose rows are a prefix of it.
-        """
+        """Static buffers for one graph, filled with valid dummy data, rows on dim 0."""
         ...
 
     def replay_inputs(self, path: str, inputs: Any) -> dict[str, torch.Tensor]:
-        """The real, unpadded rows for each static buffer of ``path``.
+        """The real, unpadded rows of each static buffer of ``path`` (a prefix of it).
 
-        Rows may be on the host for a device buffer (small metadata built from
-        host sizes): the manager pads them there and copies them in with one
-        asynchronous copy from pinned memory, no kernels and no sync.
+        Host rows for a device buffer are padded on the host and copied in from pinned
+        memory, with no kernels and no sync.
         """
         ...
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Run ``path`` on static buffers; rows of the result are output tokens.
-
-        This is what gets captured: no host syncs, no data-dependent shapes.
-        """
+        """Run ``path`` on static buffers (captured: no host syncs, no data-dependent shapes)."""
         ...
 
     def eager_forward(self, path: str, inputs: Any) -> torch.Tensor:

@@ -1,17 +1,8 @@
 """What went wrong in a capture: out of memory, or a tower a CUDA graph cannot hold.
 
-The manager catches what capturing a graph raises and asks :func:`diagnose` what
-it was. Out of memory costs the failing budget and the larger ones of its path;
-a tower that cannot be captured (a host sync such as ``.item()``, a CPU op, a
-data-dependent shape) costs its path the graphs, and the path runs eagerly.
-Anything else is raised: the manager cannot tell that it would not fail eagerly too.
-
-CUDA reports most capture faults twice: the op that broke the capture raises,
-then ending the capture raises "operation failed due to a previous error during
-capture" with the first error as its context. :func:`diagnose` reads the whole
-chain, so the first error names the cause. Code that ran eagerly just before
-and fails inside the capture (:func:`capturing`) is a fault of the capture
-whatever its message says.
+CUDA reports most faults twice (the op, then ending the capture "due to a previous
+error"), so :func:`diagnose` reads the whole exception chain. Code that ran eagerly just
+before and fails inside the capture (:func:`capturing`) is a capture fault.
 """
 
 from __future__ import annotations
@@ -36,14 +27,8 @@ class CaptureError(RuntimeError):
 
 @dataclass(frozen=True)
 class CaptureFault:
-    """A capture failure the manager can recover from.
-
-    Attributes:
-        kind: :data:`OUT_OF_MEMORY`, :data:`UNCAPTURABLE` or :data:`CAPTURE_FAILED`.
-        cause: what the tower did, in words.
-        fix: what to change so that it captures.
-        error: the first line of the error that said so.
-    """
+    """A capture failure the manager can recover from; ``error`` is the first line of
+    the error that said so."""
 
     kind: str
     cause: str
@@ -168,13 +153,9 @@ def free_device_memory() -> None:
 def capturing() -> Iterator[None]:
     """Around ``torch.cuda.graph`` after an eager warm-up of the same forward.
 
-    An error other than out of memory becomes a :class:`CaptureError` (the
-    original is its cause): the forward ran eagerly, so the capture broke it. And
-    the current CUDA stream is put back: ``torch.cuda.graph`` leaves its capture
-    stream current when ending a failed capture raises.
-
-    Raises:
-        CaptureError: from any ``Exception`` but out of memory; others pass as they are.
+    An ``Exception`` other than out of memory becomes a :class:`CaptureError`: the
+    forward ran eagerly, so the capture broke it. The current stream is put back, which
+    ``torch.cuda.graph`` leaves as its capture stream when ending a failed capture raises.
     """
     stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
     try:
@@ -191,13 +172,8 @@ def capturing() -> Iterator[None]:
 
 
 def _end_rng_capture() -> None:
-    """Take the device's RNG out of capture mode after a failed capture.
-
-    ``torch.cuda.graph`` skips the generator's capture epilogue when ending the
-    capture raises, and every later CUDA random op then fails ("Offset increment
-    outside graph capture"). Re-setting the generator to a clone of its own
-    state clears that.
-    """
+    """Take the device's RNG out of capture mode after a failed capture, whose skipped
+    epilogue would fail every later CUDA random op; re-setting its own state clears it."""
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
     generator.graphsafe_set_state(generator.clone_state())
 

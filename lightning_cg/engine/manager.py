@@ -1,30 +1,8 @@
 """EncoderGraphManager: run a tower through graphs at token budgets, eager elsewhere.
 
-One manager wraps one :class:`~lightning_cg.engine.encoder.GraphableEncoder`. For every
-call it packs the items into sub-batches that fit the budgets, asks each path's
-:class:`~lightning_cg.core.dispatcher.CudagraphDispatcher` for the key of the
-sub-batch, and replays that key's graph or runs the path eagerly. The work is
-done by parts with one job each, which this façade wires together and whose
-lifecycle (runs, clearing, learning budgets) it keeps:
-
-- :class:`~lightning_cg.engine.config.GraphConfig`: the validated options;
-- :mod:`lightning_cg.engine.plan`: the immutable plan (each path's budgets and
-  dispatcher, the item cap) and the call plans it remembers per call shape;
-- :class:`~lightning_cg.engine.cache.GraphCache`: what is captured, by named key;
-- :class:`~lightning_cg.core.capture_policy.CapturePolicy`: whether a key is worth
-  capturing now (on demand, once its replays are expected to repay it);
-- :class:`~lightning_cg.engine.capture.GraphCapturer`: capture and fault recovery;
-- :class:`~lightning_cg.engine.compiling.CompileLifecycle`: compiled capture
-  (``compile=True``): the compiling wrapper, the compiled plans, and the
-  uncompiled ones back when compiling is given up;
-- :class:`~lightning_cg.engine.call_runner.CallRunner`: one call, sub-batch by
-  sub-batch (routing by :class:`~lightning_cg.engine.routing.Router`, replay by
-  :mod:`lightning_cg.engine.replay`: fill, pad, replay, verify);
-- :class:`~lightning_cg.engine.auto_ladder.AutoLadder`: budgets learned from the first batches;
-- :class:`~lightning_cg.core.stats.GraphStats`: counters.
-
-Without CUDA the same path runs (static buffers, padding, graph forward or
-pieces, scatter) without capture. The manager knows nothing of Lightning.
+A façade over parts with one job each: the plan (:mod:`~lightning_cg.engine.plan`), the
+cache, the capture policy, the capturer, compiled capture, the call runner, the auto
+ladder and the stats. Without CUDA the same path runs without capture.
 """
 
 from __future__ import annotations
@@ -56,13 +34,9 @@ class EncoderGraphManager:
     """Budget-batched CUDA graph execution of one graphable encoder.
 
     Args:
-        encoder: the adapter around the tower.
-        config: the graph options (:class:`~lightning_cg.engine.config.GraphConfig`);
-            None builds one from ``options``.
+        config: the graph options; None builds one from ``options``
+            (:meth:`GraphConfig.from_options`).
         progress: called after each capture as ``progress(done, total, spec)``.
-        **options: fields of :class:`~lightning_cg.engine.config.GraphConfig` (with
-            ``budgets`` and ``paths`` as mappings or BudgetConfigs), when
-            ``config`` is None.
 
     Example:
         >>> manager = EncoderGraphManager(PackedEncoderAdapter(tower), mode="full")
@@ -88,8 +62,7 @@ class EncoderGraphManager:
             check_ops_registered(self.config.splitting_ops)
         self.mode = self.config.mode
         self.stats = GraphStats()
-        # Adapters that build their output from each path's rows in item order
-        # skip the per-item split and join (host time per item).
+        # Adapters that build their output from each path's rows skip the per-item split.
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
         # Built first: the parts below capture its encoder (the compiling wrapper).
         self.compiling = CompileLifecycle(encoder, self.config, self.stats)
@@ -130,8 +103,6 @@ class EncoderGraphManager:
             self.plans, choices, self.capturer, self.policy, self.runner, self.clear
         )
 
-    # ------------------------------------------------------------- public API
-
     @property
     def capture_error(self) -> str | None:
         """The capture error that turned every path eager (``capture_errors="eager"``)."""
@@ -144,8 +115,7 @@ class EncoderGraphManager:
 
     @property
     def weight_casts(self) -> WeightCasts | None:
-        """The low-precision weight copies graphs are captured with (None: off,
-        or compiled graphs); the capturer's, refreshed at each run's start."""
+        """The low-precision weight copies graphs read (None: off, or compiled graphs)."""
         return self.capturer.weight_casts
 
     @property
@@ -164,15 +134,11 @@ class EncoderGraphManager:
         return self.auto_ladder.learned
 
     def begin_run(self, expected_calls: int | None = None, later_runs: int | None = None) -> None:
-        """Start a run: zero the run counters, tell the capture policy how many
-        calls to expect (None: unknown) and how many runs like it are known to
-        follow (a fit's validation runs still to come; None: unknown), which
-        bound what a capture can repay, and bring the weight
-        copies graphs read to the tower's current weights."""
+        """Start a run: zero the run counters, tell the capture policy the calls to expect
+        and the runs like it known to follow (None: unknown), and refresh the weight copies."""
         self.stats.reset_run()
         self.policy.begin_run(expected_calls, later_runs)
         if self.weight_casts is not None:
-            # Graphs read the copies: bring them to the weights of this run.
             self.weight_casts.refresh()
 
     def reset_stats(self) -> None:
@@ -185,10 +151,7 @@ class EncoderGraphManager:
 
     def clear(self) -> None:
         """Drop every graph, buffer and the pool; keys are captured again when they pay.
-
-        What capture faults taught stays: budgets dropped for lack of memory are
-        not tried again, and paths that cannot be captured keep running eagerly.
-        """
+        What capture faults taught (dropped budgets, eager paths) stays."""
         self.cache.clear()
         if self.weight_casts is not None:
             self.weight_casts.clear()
@@ -198,18 +161,10 @@ class EncoderGraphManager:
         self.stats.pool_bytes = 0
 
     def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
-        """Learn the ladder of every ``auto`` path from a sample of batches.
+        """Learn every ``auto`` path's ladder from batches of ``ItemSpec.path_tokens``
+        (e.g. ``[[{"local": 256}, {"local": 1024}]]``); returns the ladders.
 
-        The manager calls this itself on its first ``auto_sample_batches``
-        batches unless it was called before, e.g. with sizes a dataset gives
-        without reading pixels. Graphs captured before are dropped.
-
-        Args:
-            batches: per batch, per item, the tokens on each path, as
-                ``ItemSpec.path_tokens``, e.g. ``[[{"local": 256}, {"local": 1024}]]``.
-
-        Returns:
-            The learned ladder of each auto path (empty without one).
+        Otherwise done on the first ``auto_sample_batches`` batches. Drops earlier graphs.
         """
         self.auto_ladder.learn(batches)
         self.clear()
@@ -217,7 +172,7 @@ class EncoderGraphManager:
 
     def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
         """Capture every key of ``paths`` (default: all) for one adapter signature now,
-        whatever the capture policy says (e.g. to capture before a timed run)."""
+        whatever the capture policy says."""
         graph_set = GraphSet(signature, autocast_key())
         keys = [
             key
@@ -227,14 +182,9 @@ class EncoderGraphManager:
         ]
         self.capturer.capture(keys)
 
-    # -------------------------------------------------------------- execution
-
     def execute(self, inputs: Any) -> Any:
-        """Run the tower on ``inputs`` through graphs where they fit, eager elsewhere.
-
-        Returns the tower's own output format with items in their original order;
-        nothing returned aliases a graph buffer.
-        """
+        """Run the tower on ``inputs`` through graphs where they fit, eager elsewhere; the
+        tower's own output format, items in order, aliasing no graph buffer."""
         specs = self._counted_specs(inputs)
         # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
         if torch.is_grad_enabled() or self._sampling(specs):
@@ -248,10 +198,7 @@ class EncoderGraphManager:
         return self.encoder.postprocess(outputs.per_item(), inputs)
 
     def execute_items(self, inputs: Any) -> list[dict[str, torch.Tensor]]:
-        """Like :meth:`execute`, but per item: ``{path: output rows}`` in input order.
-
-        Paths on which an item has no tokens are absent from its dict.
-        """
+        """Like :meth:`execute`, but per item: ``{path: output rows}`` in input order."""
         specs = self._counted_specs(inputs)
         if torch.is_grad_enabled() or self._sampling(specs):
             return self.runner.run_eagerly(inputs, specs).per_item()

@@ -1,10 +1,6 @@
 """The rows one call's sub-batches give, kept as blocks until the call's output is built.
 
-Each path of each sub-batch gives one tensor of rows for its items. Splitting
-it into per-item tensors and joining them again costs host time per item; a
-call whose path was served by one sub-batch of every item in order needs
-neither, and any other call one copy per path, so the blocks are kept as they
-came and split per item only when asked.
+Splitting per item costs host time per item, so blocks are split only when asked.
 """
 
 from __future__ import annotations
@@ -13,11 +9,7 @@ import torch
 
 
 class CallOutputs:
-    """Per path, the blocks of rows of one call: ``(item indices, rows, tokens per item)``.
-
-    Args:
-        num_items: items in the call.
-    """
+    """Per path, the blocks of rows of one call: ``(item indices, rows, tokens per item)``."""
 
     def __init__(self, num_items: int) -> None:
         self.num_items = num_items
@@ -38,9 +30,8 @@ class CallOutputs:
         return outputs
 
     def joined(self) -> dict[str, torch.Tensor] | None:
-        """Each path's rows of every item, in item order, as one tensor (None for a
-        call of no items): as they came when one block holds them in order, else
-        joined by one copy per path."""
+        """Each path's rows of every item in order as one tensor (None for no items): the
+        block as it came when one holds them in order, else one copy per path."""
         if self.num_items == 0:
             return None
         in_order = list(range(self.num_items))

@@ -1,13 +1,8 @@
-"""The plan: what the manager knows of its paths between calls, and each call's plan.
+"""The plan: each path's budgets and dispatcher, the item cap, and each call's plan.
 
-A :class:`Plan` is immutable: each path's token budgets, dispatcher and graph
-sizes (a :class:`PathPlan`, with why the path runs eagerly after a capture
-fault), and the item cap of a sub-batch. What changes it (a capture fault, a
-learned ladder, compiling) makes a new one and puts it in the manager's
-:class:`PlanRef`. A plan remembers the :class:`CallPlan` of every call shape
-it has seen (a signature and the items' tokens and frames): how the call's
-items are packed into sub-batches and which key serves each path of each.
-Those depend on the plan alone, so they are dropped with it, as a whole.
+A :class:`Plan` is immutable: what changes it (a capture fault, a learned ladder,
+compiling) puts a new one in the manager's :class:`PlanRef`. It remembers the call plan
+(sub-batches and keys) of every call shape it has seen; those go with it.
 """
 
 from __future__ import annotations
@@ -33,13 +28,9 @@ class PathPlan:
     """Resolved budgets and dispatcher of one encoder path.
 
     Attributes:
-        budgets: the token budgets graphed, ascending.
-        dispatcher: maps a sub-batch's descriptor to a key.
-        allow_zero_tokens: items may have no tokens on this path.
         item_frames: most frames of one item.
         max_frames: attention sequences the path's FULL graphs hold at most.
-        eager_reason: why the path runs eagerly whatever the mode (a capture
-            fault), else None.
+        eager_reason: why the path runs eagerly whatever the mode (a capture fault).
     """
 
     budgets: tuple[int, ...]
@@ -112,8 +103,7 @@ class PathPlan:
     def _frames_of(self, runtime_mode: GraphMode, desc: BatchDescriptor, max_items: int) -> int:
         items = desc.num_items or max_items
         if runtime_mode is GraphMode.PIECEWISE:
-            # Attention runs eagerly, so the metadata may hold every frame a
-            # sub-batch can have, whatever limit FULL graphs keep to.
+            # Attention runs eagerly: the metadata may hold every frame a sub-batch can have.
             return max(self.max_frames, items * self.item_frames)
         if desc.uniform:
             return items * self.item_frames
@@ -126,11 +116,8 @@ class PathPlan:
 
 @dataclass(frozen=True)
 class PathRoute:
-    """One path of one sub-batch in a call plan: the key that serves it, or why none.
-
-    ``reason`` is set when ``key`` is None and the path has tokens: ``misses``
-    (graphs off, or the path runs eagerly) or ``above_budget``.
-    """
+    """One path of one sub-batch in a call plan: the key that serves it, or why none
+    (``misses``: graphs off or the path eager; ``above_budget``)."""
 
     path: str
     total: int
@@ -148,14 +135,7 @@ class SubBatchPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The paths' plans, the item cap of a sub-batch, and the call plans they give.
-
-    Attributes:
-        paths: each path's plan.
-        max_items: the most items of one sub-batch.
-        mode: the configured graph mode (``none``: every path eager).
-        packing: how items are packed into sub-batches.
-    """
+    """The paths' plans, the item cap of a sub-batch, and the call plans they give."""
 
     paths: Mapping[str, PathPlan]
     max_items: int
@@ -173,11 +153,8 @@ class Plan:
         return Plan(dict(paths), self.max_items, self.mode, self.packing)
 
     def with_max_items(self, max_items: int) -> Plan:
-        """This plan holding at most ``max_items`` items in a sub-batch.
-
-        A FULL graph's attention is launched for every sequence slot it holds,
-        empty or not, so an auto ladder lowers the cap to what its sample needs.
-        """
+        """This plan holding at most ``max_items`` items in a sub-batch (a FULL graph's
+        attention runs for every slot, empty or not, so an auto ladder lowers it)."""
         paths = {path: plan.with_max_items(max_items) for path, plan in self.paths.items()}
         return Plan(paths, max_items, self.mode, self.packing)
 
@@ -197,8 +174,7 @@ class Plan:
         ladders = {path: plan.ladder for path, plan in self.paths.items()}
         packed = pack_items(item_tokens, self.max_items, max_budgets, self.packing, ladders)
         sub_batches = []
-        # Items in call order: a graph does not care, and consecutive items are
-        # selected as views (every item of the call: the call itself), not gathered.
+        # Items in call order: consecutive items are selected as views, not gathered.
         for indices in map(sorted, packed):
             routes = []
             for path in self.paths:
@@ -237,8 +213,8 @@ class Plan:
     ) -> GraphKey | None:
         runtime_mode, found = plan.dispatcher.dispatch(desc)
         if not self._holds_frames(plan, runtime_mode, found, frames):
-            # More attention sequences than the key's graph holds (items of
-            # several frames): a mixed key with as many slots, else no FULL key.
+            # More sequences than the key's graph holds: a mixed key with as many slots,
+            # else no FULL key.
             slots = min(-(-frames // plan.item_frames), self.max_items)
             runtime_mode, found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
             if not self._holds_frames(plan, runtime_mode, found, frames):
@@ -274,11 +250,7 @@ class PlanRef:
 def path_budget_choices(
     encoder_config: EncoderGraphConfig, config: GraphConfig
 ) -> dict[str, BudgetConfig]:
-    """Each path's budget choice: its entry in ``config.paths``, else ``config.budgets``.
-
-    Raises:
-        ValueError: ``config.paths`` names a path the tower does not have.
-    """
+    """Each path's budget choice: its entry in ``config.paths``, else ``config.budgets``."""
     unknown = sorted(set(config.paths) - set(encoder_config.paths))
     if unknown:
         raise ValueError(
@@ -310,12 +282,9 @@ def resolve_path(
 
 
 def compiled_choice(choice: BudgetConfig) -> BudgetConfig:
-    """The budget choice of graphs captured from a forward compiled once for
-    every budget: a generated ladder coarser than ``choice.compiled_ratio``
-    becomes geometric at that ratio. Uncompiled, each budget's graph costs its
-    capture and pads as much as before; compiled, padding costs fused work on
-    every replay, so finer budgets pay.
-    Explicit and ``auto`` ladders are the user's or the data's: kept."""
+    """The budget choice of graphs from a forward compiled once for every budget: a
+    generated ladder coarser than ``choice.compiled_ratio`` becomes geometric at it
+    (padding then costs fused work on every replay). Explicit and ``auto`` ladders stay."""
     ratio = choice.compiled_ratio
     if ratio is None or choice.budgets is not None or choice.ladder == AUTO_LADDER:
         return choice
@@ -331,9 +300,8 @@ def use_ladders(
     user_max_items: int | None,
     compiled: bool,
 ) -> None:
-    """Give each path the ladder of its choice, refined by :func:`compiled_choice`
-    when ``compiled``, within the budgets it kept (a budget dropped for lack of
-    memory stays dropped). Paths whose choice has no compiled ladder keep theirs."""
+    """Give each path its choice's ladder, refined by :func:`compiled_choice` when
+    ``compiled``, within the budgets it kept (dropped for memory stays dropped)."""
     for path, plan in ref.plan.paths.items():
         refined = compiled_choice(choices[path])
         if refined is choices[path] or plan.eager_reason is not None:
@@ -346,12 +314,7 @@ def use_ladders(
 def plan_paths(
     encoder: GraphableEncoder, config: GraphConfig, choices: Mapping[str, BudgetConfig]
 ) -> Plan:
-    """The plan of every path, with the item cap of a sub-batch (the tightest path's).
-
-    Raises:
-        ValueError: a path's largest budget cannot fit any memory in reach
-            (:func:`~lightning_cg.engine.budget_memory.check_budgets_fit`).
-    """
+    """The plan of every path, with the item cap of a sub-batch (the tightest path's)."""
     user_max_items = config.max_items_per_batch
     max_items = min(
         resolve_path(encoder, path, choice, user_max_items)[1] for path, choice in choices.items()
@@ -363,8 +326,7 @@ def plan_paths(
     slot_counts = mixed_slot_counts(max_items, max_frames, frames_per_item)
     plans = {}
     for path, path_config in encoder_config.paths.items():
-        # The user's max_items, not the resolved one: that would start every
-        # ladder at max_items (the seed's 'only max_items' branch).
+        # The user's max_items: the resolved one would start every ladder at max_items.
         budgets, _ = resolve_path(encoder, path, choices[path], user_max_items)
         plans[path] = PathPlan(
             budgets=tuple(budgets),
@@ -398,9 +360,8 @@ def pow2_counts(max_items: int) -> list[int]:
 
 
 def mixed_slot_counts(max_items: int, max_frames: int, frames_per_item: int) -> list[int]:
-    """Item counts of the FULL graphs of a path with per-item metadata: the powers
-    of two whose frames stay below ``max_frames``, then ``max_items``, whose
-    graph holds all ``max_frames`` (the one graph per budget it replaces)."""
+    """Item counts of a per-item-metadata path's FULL graphs: the powers of two whose
+    frames stay below ``max_frames``, then ``max_items`` (holding all ``max_frames``)."""
     return [
         count
         for count in pow2_counts(max_items)

@@ -1,9 +1,7 @@
-"""Replay: fill a graph's static buffers, pad them, replay, and check against eager.
+"""Replay: fill a graph's static buffers, replay, and check against eager.
 
-Every replay rewrites every input buffer (the real rows, then the key's
-padding rule; see :mod:`lightning_cg.engine.static_inputs`), so nothing of an earlier
-batch leaks into a later one, and clones the real rows of the output, so
-nothing returned aliases a graph buffer.
+Every replay rewrites every input buffer, so nothing of an earlier batch leaks in, and
+clones the output's real rows, so nothing returned aliases a graph buffer.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from lightning_cg.engine.encoder import GraphableEncoder
 
 #: Largest relative error ||replay - eager|| / ||eager|| that ``verify`` accepts.
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-#: fp32 tolerance while TF32 is on: cuBLAS/cuDNN pick other TF32 kernels for the
-#: padded batch, which differ from eager by about 1e-3.
+#: fp32 tolerance under TF32: the padded batch gets other kernels, about 1e-3 off eager.
 TF32_TOLERANCE = 5e-3
 
 
@@ -31,13 +28,10 @@ def replay(
     encoder: GraphableEncoder,
     inputs: Any,
     total: int,
-    stats: GraphStats | None = None,
+    stats: GraphStats,
 ) -> torch.Tensor:
     """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real
-    rows (contiguous, whatever the graph's output layout).
-
-    With ``stats``, the launch's host seconds are added to ``stats.launch_seconds``.
-    """
+    rows, contiguous; the launch's host seconds go to ``stats.launch_seconds``."""
     path = graph.spec.path
     graph.static_inputs.fill(encoder.replay_inputs(path, inputs), path)
     launched = time.perf_counter()
@@ -46,11 +40,8 @@ def replay(
         output = graph.output
     else:
         output = graph.run()
-    if stats is not None:
-        stats.launch_seconds += time.perf_counter() - launched
-    # Clone: the next replay overwrites the graph's output buffer. In the default
-    # layout: a graph of channels_last convolutions (its weight copies) ends in
-    # channels_last feature maps, where the tower's eager output is contiguous.
+    stats.launch_seconds += time.perf_counter() - launched
+    # Contiguous: channels_last weight copies end in channels_last maps; eager's are not.
     rows = output if output.shape[0] == total else output[:total]
     return rows.clone(memory_format=torch.contiguous_format)
 
@@ -58,11 +49,8 @@ def replay(
 def check_replay(
     graph: CapturedGraph, path: str, replayed: torch.Tensor, reference: torch.Tensor
 ) -> None:
-    """Raise if ``replayed`` differs from the eager ``reference`` beyond tolerance.
-
-    A non-finite value in the eager output is reported as such: the graph
-    cannot be judged on it.
-    """
+    """Raise if ``replayed`` differs from the eager ``reference`` beyond tolerance
+    (or the reference is not finite, so the graph cannot be judged on it)."""
     spec = graph.spec
     where = f"path {path!r}, budget {spec.token_budget}, max_items {spec.max_items}"
     error = replay_error(replayed, reference)
@@ -84,8 +72,7 @@ def check_replay(
 
 
 def replay_error(replayed: torch.Tensor, reference: torch.Tensor) -> float | None:
-    """:func:`relative_error` of a replay against the eager ``reference``, or None
-    when the reference holds NaN or infinity (the replay cannot be judged on it)."""
+    """:func:`relative_error` of a replay against ``reference``; None if that is not finite."""
     if not torch.isfinite(reference).all():
         return None
     return relative_error(replayed, reference)
@@ -118,13 +105,9 @@ def autocast_key() -> tuple:
 
 @contextlib.contextmanager
 def graph_context() -> Iterator[None]:
-    """Where graphs are captured and replayed.
-
-    Outside inference mode, so static buffers are ordinary tensors that both
-    ``Trainer(inference_mode=True)`` and ``False`` may write; without grad; and,
-    under autocast, with its weight cache off: a cast cached before capture
-    would be freed while the graph still reads it.
-    """
+    """Where graphs are captured and replayed: without grad; outside inference mode, so
+    buffers are ordinary tensors any caller may write; under autocast with its cache
+    off, since a cast cached before capture would be freed while the graph reads it."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.no_grad())

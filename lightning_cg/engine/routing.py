@@ -1,12 +1,6 @@
 """Routing: whether one path of a sub-batch replays a graph or runs eagerly, and why.
 
-The call plan (:mod:`lightning_cg.engine.plan`) gives each path of a sub-batch
-the key of the graph that holds it. The :class:`Router` finds the key's graph
-in the cache, or asks the capture policy whether capturing it now pays. It only
-decides: running the route is the
-:class:`~lightning_cg.engine.call_runner.CallRunner`'s job. Routing reads the
-items' sizes, not their tensors, so a sub-batch that runs eagerly is never
-gathered (see :class:`SubBatch`).
+Routing reads the items' sizes, not their tensors, so an eager sub-batch is never gathered.
 """
 
 from __future__ import annotations
@@ -26,16 +20,8 @@ from lightning_cg.engine.plan import PathRoute, PlanRef
 
 
 class SubBatch:
-    """Items of one call packed to run together: their positions in the call,
-    their specs, and their inputs, gathered only when something reads them.
-
-    Args:
-        encoder: the adapter, whose ``select_items`` gathers the inputs.
-        call_inputs: the inputs of the whole call.
-        call_size: how many items the call holds.
-        indices: the items' positions in the call.
-        specs: the items' specs.
-    """
+    """Items of one call packed to run together: their positions in the call, their
+    specs, and their inputs, gathered only when something reads them."""
 
     def __init__(
         self,
@@ -70,11 +56,8 @@ class SubBatch:
 
 @dataclass(frozen=True)
 class Route:
-    """How one path of one sub-batch runs: a graph, or eagerly.
-
-    ``key`` is set for an eager route whose key has no graph yet, so the policy
-    can learn the key's eager time.
-    """
+    """How one path of one sub-batch runs: a graph, or eagerly (``key`` set when the key
+    has no graph yet, so the policy can learn its eager time)."""
 
     tokens: int
     key: GraphKey | None = None
@@ -86,17 +69,7 @@ class Route:
 
 
 class Router:
-    """Decides each path's route, capturing a key when the capture policy says it pays.
-
-    Args:
-        config: the graph options.
-        plans: the current plan (the capturer replaces it on faults).
-        cache: the captured graphs.
-        capturer: captures keys, recovering from faults.
-        policy: whether a key is worth capturing, and whether a graph is slower than eager.
-        stats: counters of eager runs by reason.
-        timer: CUDA-event timings the policy learns from.
-    """
+    """Decides each path's route, capturing a key when the capture policy says it pays."""
 
     def __init__(
         self,
@@ -147,15 +120,13 @@ class Router:
             if self.policy.slower_than_eager(key):
                 return None, "measured_slower"
             return graph, ""
-        # Timings of earlier runs that have finished; waiting for the rest would
-        # stall the host behind the GPU: a key whose timing is pending waits a call.
+        # Only finished timings: waiting for the rest would stall the host behind the GPU.
         self.timer.collect()
         decision = self.policy.decide(key)
         if decision != CAPTURE:
             return None, "policy" if decision == NO_GAIN else "no_graph_yet"
         self._capture_key(key)
-        # A fault may have changed the plan (a dropped budget, an eager path, a
-        # mode without PIECEWISE keys): look again, and capture the key it gives.
+        # A fault may have changed the plan: look again, and capture the key it gives.
         tokens = sub_batch.tokens(key.path)
         frames = sum(spec.num_frames for spec in sub_batch.specs)
         rekey = self.plans.plan.key(key.graph_set, key.path, tokens, frames)
@@ -172,7 +143,6 @@ class Router:
             keys = [key]
         compile_before = self.stats.compile_seconds
         seconds = self.capturer.capture(keys)
-        # A compiled forward compiles at a path's first capture (with static
-        # shapes, also at a new budget's): paid once, not by each further key.
+        # Compiling is paid once per path (or budget), not by each further key.
         seconds -= self.stats.compile_seconds - compile_before
         self.policy.record_capture(key, seconds, keys=len(keys))

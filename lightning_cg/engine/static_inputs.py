@@ -1,20 +1,8 @@
 """A graph's static input buffers, and how each replay rewrites them whole.
 
-Every replay writes every buffer: the real rows at its head, then the padding
-rule's rows past them (``zero``, or ``repeat_last``: the last real row again),
-so nothing of an earlier batch is left in it.
-
-Rows already on the buffer's device are copied there. Rows an adapter builds on
-the host (frame offsets, patch positions) are written with numpy where their
-dtype allows: into the buffer itself when it is on the CPU, else padded in
-pinned host memory and copied over in one transfer that does not wait for the
-GPU. That pinned memory belongs to the graph and is reused from replay to
-replay (:class:`HostStaging`), not allocated per buffer per replay.
-
-Host rows may also come in numpy pieces stacked one after another
-(:class:`PieceRows`: a sub-batch's patch positions, frame by frame); each piece
-is then written straight into the buffer or its staging, with no stacked copy
-made first.
+Every replay writes the real rows, then the padding rule's rows past them. Host rows
+are written with numpy where the dtype allows: into a CPU buffer itself, else into the
+graph's reused pinned staging (:class:`HostStaging`), copied over without waiting.
 """
 
 from __future__ import annotations
@@ -43,23 +31,16 @@ _NUMPY_DTYPES = frozenset(
     }
 )
 _NO_PIECES: Mapping[str, Sequence[np.ndarray]] = MappingProxyType({})
-#: ``(stream id, device index, device type)`` of a device's current stream, as
-#: ``torch.cuda.current_stream`` reads it (private; torch 2.11 to 2.14 have it).
+#: ``(stream id, device index, device type)`` of a device's current stream (private torch).
 _current_stream_id = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 class PieceRows(Mapping[str, torch.Tensor]):
-    """Replay rows by buffer name, where some buffers' host rows come in numpy
-    pieces stacked one after another (at least one piece each, of the buffer's
-    dtype and row shape; e.g. patch positions frame by frame).
+    """Replay rows by buffer name, some given as numpy pieces to stack (e.g. patch
+    positions frame by frame).
 
-    :meth:`StaticInputs.fill` writes the pieces into the buffer, or its pinned
-    staging, one by one: the stacked rows are never built. Any other reader
-    gets them as one host tensor, stacked at its first read.
-
-    Args:
-        tensors: rows given as tensors, by buffer name.
-        pieces: host rows given as numpy pieces, by buffer name.
+    :meth:`StaticInputs.fill` writes the pieces one by one, never stacking them; any
+    other reader gets one host tensor, stacked at its first read.
     """
 
     def __init__(
@@ -91,13 +72,8 @@ class PieceRows(Mapping[str, torch.Tensor]):
 
 
 class StaticInputs:
-    """The input buffers of one graph, rewritten by :meth:`fill` before each replay.
-
-    Args:
-        buffers: the graph's static buffers by name.
-        padding_rules: each buffer's padding rule, fixed at capture (``zero``
-            for a buffer without one).
-    """
+    """The input buffers of one graph, rewritten by :meth:`fill` before each replay;
+    padding rules are fixed at capture (``zero`` for a buffer without one)."""
 
     def __init__(
         self, buffers: Mapping[str, torch.Tensor], padding_rules: Mapping[str, str]
@@ -111,12 +87,8 @@ class StaticInputs:
         self._staging: HostStaging | None = None
 
     def fill(self, real: Mapping[str, torch.Tensor], path: str) -> None:
-        """Write each buffer's rows of ``real`` at its head and pad the rest by its rule.
-
-        Raises:
-            RuntimeError: ``real`` lacks a buffer, or its rows do not fit the
-                buffer's row shape, size, dtype or device.
-        """
+        """Write each buffer's rows of ``real`` at its head and pad the rest by its rule;
+        RuntimeError if a buffer is missing or its rows do not fit it."""
         if not self._names <= real.keys():
             missing = sorted(self._names - real.keys())
             raise RuntimeError(f"replay_inputs for path {path!r} lacks buffer(s) {missing}")
@@ -146,8 +118,7 @@ class StaticInputs:
 
 
 def write_padded(target: torch.Tensor, rows: torch.Tensor, rule: str) -> None:
-    """Write ``rows`` at the head of ``target`` and the rest by ``rule``: zeros, or
-    for ``repeat_last`` the last row again (zeros when there is none)."""
+    """Write ``rows`` at the head of ``target``, the rest zeros or (repeat_last) the last row."""
     count = rows.shape[0]
     if count == target.shape[0]:
         target.copy_(rows)  # no slicing: a few microseconds of host time less
@@ -161,8 +132,7 @@ def write_padded(target: torch.Tensor, rows: torch.Tensor, rule: str) -> None:
 
 
 def write_padded_array(target: np.ndarray, rows: np.ndarray, rule: str) -> None:
-    """:func:`write_padded` for numpy arrays, whose slice assignments cost a fraction
-    of a microsecond of host time where a torch op costs a few."""
+    """:func:`write_padded` for numpy arrays (far less host time than a torch op)."""
     count = rows.shape[0]
     target[:count] = rows
     _pad_array(target, count, rule)
@@ -211,11 +181,8 @@ class _Buffer:
         )
 
     def takes_from_host(self, rows: torch.Tensor) -> bool:
-        """Whether ``rows`` go through pinned staging (host rows for a CUDA buffer).
-
-        Raises:
-            RuntimeError: ``rows`` do not fit the buffer.
-        """
+        """Whether ``rows`` go through pinned staging (host rows for a CUDA buffer);
+        RuntimeError if they do not fit the buffer."""
         shape = rows.shape  # read once: each read of a tensor's shape builds a new Size
         if shape[1:] != self.row_shape or shape[0] > self.row_capacity:
             raise RuntimeError(
@@ -235,13 +202,8 @@ class _Buffer:
     def write_pieces(
         self, target: np.ndarray | None, pieces: Sequence[np.ndarray], rule: str
     ) -> None:
-        """Write host ``pieces`` one after another at the head of ``target`` (the
-        buffer's own array or its pinned staging), then pad the rest by ``rule``.
-
-        Raises:
-            RuntimeError: a piece is not of the buffer's dtype and row shape, or
-                the pieces outgrow the buffer.
-        """
+        """Write host ``pieces`` in turn at the head of ``target`` (the buffer's array or
+        its staging), then pad by ``rule``; RuntimeError if a piece does not fit."""
         count = 0
         for piece in pieces:
             end = count + piece.shape[0]
@@ -261,22 +223,13 @@ class _Buffer:
 
 
 class HostStaging:
-    """Pinned host copies of a graph's CUDA buffers that take host rows, reused
-    from replay to replay.
+    """Pinned host copies of a graph's CUDA buffers that take host rows, reused.
 
-    A copy from pinned memory returns before the GPU has read it, and the GPU
-    reads it only once the work queued before it (earlier graphs) is done, so
-    the host may rewrite a staging tensor only after that copy has run. Staging
-    therefore comes in slots, one pinned tensor per buffer each, with an event
-    recorded after the slot's copies. A replay takes the oldest slot once its
-    event has completed, else adds a slot, up to :data:`MAX_STAGING_SLOTS`,
-    else waits for the oldest. With one slot, every replay would wait for the
-    previous replay's copy, itself queued behind the previous graph, so the
-    host could never queue a graph ahead of the GPU; a few slots let it run a
-    few replays ahead, as a new pinned tensor per replay did, without the
-    allocations. Graphs that share a buffer (the item counts of one budget)
-    each keep their own staging: it only holds host metadata, a few bytes per
-    token.
+    A pinned copy returns before the GPU reads it, so a staging tensor may be rewritten
+    only after its copy ran. Staging comes in slots with an event after their copies: a
+    replay takes the oldest slot once done, else adds one (up to
+    :data:`MAX_STAGING_SLOTS`), else waits. One slot would make every replay wait for
+    the previous graph; a few let the host run a few replays ahead.
     """
 
     def __init__(self) -> None:
@@ -304,10 +257,8 @@ class HostStaging:
         self._slots.append(slot)
 
     def _current_stream(self, device_index: int) -> torch.cuda.Stream:
-        """``torch.cuda.current_stream(device_index)`` for a tenth of its ~3 us of
-        host time: the stream object is made again only when the stream changes.
-        A torch without the private call that identifies the stream gets the
-        public one."""
+        """``torch.cuda.current_stream(device_index)`` for a fraction of its host time:
+        the stream object is made again only when the stream changes."""
         if _current_stream_id is None:
             return torch.cuda.current_stream(device_index)
         stream_id = _current_stream_id(device_index)
@@ -329,8 +280,8 @@ class HostStaging:
 
 
 class _Slot:
-    """One pinned tensor per staged buffer (made when first needed), and the event
-    recorded after their last copies."""
+    """One pinned tensor per staged buffer (made when first needed), and the event after
+    their last copies."""
 
     __slots__ = ("event", "hosts")
 
