@@ -1,10 +1,6 @@
-"""Attention within the sequences of packed rows, with no host syncs.
+"""Attention within the ``cu_seqlens`` sequences of packed rows, with no host syncs.
 
-Packed towers hold many attention sequences (frames, windows) in one ``(T, H, hd)``
-tensor, delimited by ``cu_seqlens``. Two implementations, both capturable in a
-CUDA graph: torch's variable-length flash attention (CUDA, fp16/bf16), where
-rows past ``cu_seqlens[-1]`` cost nothing, and elsewhere SDPA under a
-block-diagonal mask built on the device.
+Variable-length flash attention (CUDA, fp16/bf16), else SDPA under a block-diagonal mask.
 """
 
 from __future__ import annotations
@@ -37,17 +33,9 @@ def varlen_supported(dtype: torch.dtype, device: torch.device, head_dim: int) ->
 def block_diagonal_mask(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
     """``(rows, rows)`` boolean mask: row i may attend row j iff both lie in one sequence.
 
-    Built on the device without host syncs. Rows past ``cu_seqlens[-1]`` (padding)
-    share one id of their own, so they attend only each other and never produce NaN;
-    empty sequences (repeated offsets) own no rows.
-
-    The ids are searched in the whole ``cu_seqlens`` (sequence ``i`` is id ``i + 1``,
-    padding ``len(cu_seqlens)``), never in the view ``cu_seqlens[1:]``: inductor's
-    Triton lowering of ``searchsorted`` (torch before pytorch/pytorch#184043, 2.11
-    among them) drops a view's storage offset and searches ``cu_seqlens[:-1]``,
-    which merges the last sequence with the padding rows whenever it fills the
-    last offset slot. Compiled Qwen blocks (which build this mask inside the
-    compiled region) gave wrong outputs on the GPU that way.
+    Padding rows share an id of their own (they never produce NaN). The ids are searched
+    in the whole ``cu_seqlens``, never the view ``cu_seqlens[1:]``: inductor's
+    ``searchsorted`` drops a view's storage offset (pytorch/pytorch#184043).
     """
     positions = torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     sequence_ids = torch.searchsorted(cu_seqlens, positions, right=True)  # (rows,)
@@ -63,18 +51,11 @@ def sequence_attention(
 ) -> Attend:
     """Attention within each sequence of ``cu_seqlens``, for ``rows`` packed rows.
 
-    Args:
-        cu_seqlens: int32 ``(sequences + 1,)`` offsets into the rows; rows past the
-            last offset are padding (their output rows are zeros with varlen
-            attention, attention among themselves otherwise).
-        rows: rows of the q, k and v the returned function takes.
-        max_seqlen: an upper bound on the longest sequence, as a Python int.
-        use_varlen: use variable-length flash attention (see :func:`varlen_supported`).
-        scale: softmax scale; None is ``head_dim ** -0.5``.
+    ``cu_seqlens``: int32 offsets; rows past the last are padding. ``max_seqlen``: a
+    Python int bound on the longest sequence. ``scale`` None is ``head_dim ** -0.5``.
     """
     if use_varlen and rows > 0:  # varlen attention refuses an empty batch
-        # Flash attention never writes rows past the last sequence; zero them so
-        # padding holds no stale memory.
+        # Flash attention never writes rows past the last sequence: zero them.
         inside = torch.arange(rows, device=cu_seqlens.device) < cu_seqlens[-1]
         # Older torch's varlen_attn takes no scale: pass it only when it is not the default.
         options = {} if scale is None else {"scale": scale}

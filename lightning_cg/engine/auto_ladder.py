@@ -1,10 +1,7 @@
 """The auto ladder: learn a path's budgets from the item sizes of the first batches.
 
-A path whose budget choice has ``ladder: auto`` runs a pow2 ladder until its
-sample is complete; the first ``auto_sample_batches`` batches run eagerly while
-their item sizes are recorded, then each auto path gets the ``k`` budgets that
-pad the sample's sub-batches least (:func:`~lightning_cg.core.learned_budgets.choose_budgets`),
-and, unless the user fixed it, the item cap drops to what the sample needs.
+The first ``auto_sample_batches`` batches run eagerly; then each auto path gets the ``k``
+budgets that pad them least, and, unless the user fixed it, the item cap drops to fit.
 """
 
 from __future__ import annotations
@@ -26,12 +23,8 @@ log = logging.getLogger(__name__)
 class AutoLadder:
     """Samples item sizes and learns the budgets of the ``auto`` paths.
 
-    Args:
-        choices: each path's budget choice.
-        plans: the current plan, whose budgets (and item cap) learning replaces.
-        max_items: the item cap before learning, the most the learned one may be.
-        learn_max_items: whether learning may lower the item cap (not when the
-            user set the cap, the frames or the uniform item counts).
+    ``max_items`` is the item cap before learning, which the learned one may lower
+    when ``learn_max_items``.
     """
 
     def __init__(
@@ -61,12 +54,8 @@ class AutoLadder:
         return self._sample is not None
 
     def add_batch(self, specs: Sequence[ItemSpec]) -> int | None:
-        """Add a batch to the sample; the learned item cap once the sample is complete.
-
-        Returns:
-            None while sampling goes on (the batch runs eagerly); the item cap
-            of sub-batches after learning.
-        """
+        """Add a batch to the sample; None while sampling goes on (the batch runs
+        eagerly), then the learned item cap."""
         self._sample.append([spec.path_tokens for spec in specs])
         wanted = max(self._choices[path].auto_sample_batches for path in self._ranges)
         if len(self._sample) < wanted:
@@ -74,11 +63,8 @@ class AutoLadder:
         return self.learn(self._sample)
 
     def learn(self, batches: Sequence[Sequence[Mapping[str, int]]]) -> int:
-        """Learn every auto path's ladder from ``batches``; returns the item cap.
-
-        The batches are packed as the manager packs them (``next_fit`` at the
-        largest budgets).
-        """
+        """Learn every auto path's ladder from ``batches`` (packed ``next_fit`` at the
+        largest budgets); returns the item cap."""
         self._sample = None
         max_items = self._max_items_limit
         if not self._ranges:

@@ -1,17 +1,9 @@
 """Graph lifetime: keep a tower reading the storage its graphs were captured on.
 
-A CUDA graph reads parameters and buffers by address. Lightning's teardown
-moves a module to the CPU and back (``.cpu()`` then ``.cuda()``), and
-``load_state_dict(..., assign=True)`` swaps tensors in: the tower then holds
-equal-shaped tensors in new storage, and graphs captured before would read
-freed memory. :class:`TensorBinding` remembers the tensors a capture read and,
-when the tower comes back with tensors of the same shapes, dtypes and device
-in new storage, copies the new values into the remembered storage and points
-the tower back at it: the graphs stay valid and nothing is recaptured. Only a
-change of shape, dtype or device (or of which tensors exist) needs a recapture.
-
-While the tower is elsewhere (on the CPU between runs), the remembered device
-tensors stay allocated: that is the price of keeping the graphs.
+A graph reads weights by address; ``.cpu()`` then ``.cuda()`` or
+``load_state_dict(assign=True)`` move them to new storage. :class:`TensorBinding` copies
+same-layout values back into the remembered storage and points the tower at it, so no
+recapture is needed; the remembered tensors stay allocated while the tower is away.
 """
 
 from __future__ import annotations
@@ -48,14 +40,9 @@ class TensorBinding:
         self._slots, self._tensors = _tensors_of(module)
 
     def rebind(self, module: nn.Module) -> str:
-        """Put ``module``'s current values into the bound storage.
-
-        Returns:
-            ``unchanged`` (same storage), ``rebound`` (new storage of the same
-            layout: values copied in, the module points at the bound tensors
-            again) or ``changed`` (a shape, dtype, device or the set of tensors
-            differs: graphs must be recaptured; nothing was touched).
-        """
+        """Put ``module``'s current values into the bound storage: ``unchanged``,
+        ``rebound`` (values copied in, the module points back at the bound tensors) or
+        ``changed`` (a layout or the set of tensors differs: recapture; nothing touched)."""
         slots, current = _tensors_of(module)
         if slots.keys() != self._slots.keys() or any(
             not _same_layout(current[name], self._tensors[name]) for name in current

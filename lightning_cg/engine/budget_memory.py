@@ -1,19 +1,8 @@
 """Budgets no device can hold, refused before anything is allocated.
 
-A graph of token budget ``B`` holds static input buffers of ``B`` tokens'
-rows, so ``B`` times the bytes of one token's input rows is a lower bound on
-what capturing it allocates (activations and outputs come on top). An adapter
-that knows that figure implements ``min_bytes_per_token(path) -> int | None``
-(the packed and Qwen adapters: ``merge**2`` patch rows; the batched ones: one
-image when the tower fixes its side); where it is unknown (a ResNet, whose
-image side comes with the first batch) nothing is checked.
-
-The bound is compared with the most memory the tower may run in: its device's
-total memory, and for a tower still on the CPU (Lightning moves it to the GPU
-after the callback's ``setup``) the larger of host memory and the largest
-GPU's. Only a budget past that is refused, so a refusal is never wrong; a
-budget that passes may still run out of memory at capture, where the manager
-keeps the budgets below it (:mod:`lightning_cg.engine.faults`).
+``B`` times an adapter's ``min_bytes_per_token(path)`` (the input rows alone) is a lower
+bound on what a graph of budget ``B`` allocates; only a budget whose bound exceeds every
+memory in reach is refused, so a refusal is never wrong.
 """
 
 from __future__ import annotations
@@ -39,12 +28,8 @@ def host_memory_bytes() -> int | None:
 
 
 def memory_in_reach(device: torch.device | None) -> tuple[int, str] | None:
-    """The most bytes a tower on ``device`` may run in, and where they are.
-
-    A CUDA device: its total memory. The CPU or an unknown device: the larger
-    of host memory and the largest GPU's, since the tower may still move.
-    None for devices without memory (``meta``) or when nothing is known.
-    """
+    """The most bytes a tower on ``device`` may run in, and where: a CUDA device's total,
+    else (the tower may still move) the larger of host memory and the largest GPU's."""
     if device is not None and device.type == "meta":
         return None
     if device is not None and device.type == "cuda":
@@ -64,17 +49,8 @@ def memory_in_reach(device: torch.device | None) -> tuple[int, str] | None:
 def check_budgets_fit(
     encoder: object, budgets: Mapping[str, Sequence[int]], config: GraphConfig
 ) -> None:
-    """Refuse a path whose largest budget's input buffers alone outgrow any memory in reach.
-
-    Args:
-        encoder: the adapter; checked where it has ``min_bytes_per_token``.
-        budgets: each path's resolved budgets.
-        config: names the field that set the largest budget in the message.
-
-    Raises:
-        ValueError: the field (``max_budget``, ``budgets`` or the path's entry
-            in ``paths``), its value, the bytes it needs and the memory there is.
-    """
+    """Refuse a path whose largest budget's input buffers alone outgrow any memory in
+    reach; the error names the ``config`` field that set that budget."""
     bytes_per_token = getattr(encoder, "min_bytes_per_token", None)
     if bytes_per_token is None:
         return

@@ -1,21 +1,8 @@
 """Compiled capture: the manager captures a torch.compile'd graph forward.
 
-Inductor fuses the tower's small ops into fewer, larger kernels; a CUDA graph
-captured over them replays fewer kernels than one over the eager forward. The
-adapter's ``compile_shapes`` says how: ``dynamic`` compiles once with symbolic
-sizes, so a packed tower's many budgets reuse the same code; ``static``
-compiles the first budget's shapes as they are (faster kernels, a shorter
-compile) and leaves a second budget to torch.compile's automatic dynamic
-shapes. The mode is the default: the manager does the graphing, so inductor's
-own cudagraphs (``reduce-overhead``) stay off. ``compile_scope`` says what is
-compiled: the tower's repeated blocks, once for all of them
-(:mod:`lightning_cg.engine.compile_regions`), or the whole graph forward.
-
-Compiling is the user's choice, made at construction (``compile=True``), as
-with ``torch.compile``: a failed compile raises. The manager compares each
-compiled graph's first replay with eager and gives compiling up
-(:meth:`CompiledEncoder.give_up`) when they differ: inductor has been seen to
-miscompile a tower's blocks at some sizes.
+Inductor's fused kernels make a graph replay fewer kernels. The default compile mode:
+the manager does the graphing, so inductor's own cudagraphs stay off. A failed compile
+raises; a compiled graph whose first replay differs from eager gives compiling up.
 """
 
 from __future__ import annotations
@@ -39,18 +26,9 @@ from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, Graphab
 if TYPE_CHECKING:  # config imports this module for check_compile
     from lightning_cg.engine.config import GraphConfig
 
-#: Values of the ``compile`` option: off, or on from the first capture.
-COMPILE_CHOICES = (False, True)
-
 
 def check_compile(compile: bool, mode: GraphMode) -> bool:
-    """``compile`` if it is one of :data:`COMPILE_CHOICES` and ``mode`` can capture
-    a compiled graph forward.
-
-    Raises:
-        ValueError: another value, or ``compile=True`` with a mode that splits the
-            graph forward into pieces (PIECEWISE), which a compiled forward cannot be.
-    """
+    """``compile`` if it is a bool and ``mode`` has no PIECEWISE pieces when it is True."""
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be true or false; got compile={compile!r}")
     if compile and mode.requires_piecewise():
@@ -68,15 +46,7 @@ def compiled_encoder_for(
     on_compile: Callable[[float], None],
     on_give_up: Callable[[], None],
 ) -> CompiledEncoder | None:
-    """The compiling wrapper ``config.compile`` asks for around ``encoder``:
-    compiling from the first graph forward for ``True``; None for ``False``.
-
-    Args:
-        encoder: the adapter.
-        config: the graph options (``compile``, ``compile_scope``, ``mode``).
-        on_compile: called with the seconds of each graph forward that may compile.
-        on_give_up: called once compiling is given up.
-    """
+    """The compiling wrapper around ``encoder`` for ``config.compile`` True, else None."""
     if config.compile is not True:
         return None
     return CompiledEncoder(
@@ -87,20 +57,13 @@ def compiled_encoder_for(
 class CompiledEncoder:
     """A :class:`~lightning_cg.engine.encoder.GraphableEncoder` whose graph forward is compiled.
 
-    Every method but :meth:`graph_forward` calls the wrapped encoder's, so the
-    eager path, the item specs and the buffers stay as they are. Compilation
-    happens at the first graph forward of each path (the manager's warm-up
-    before capture), and with static shapes also at the first graph forward of
-    a path's new buffer shapes; :attr:`compile_seconds` adds up those calls.
+    Every other method is the wrapped encoder's. Compiling happens at each path's first
+    graph forward (with static shapes, also at a new buffer shape's).
 
     Args:
-        encoder: the adapter to wrap.
-        backend: the ``torch.compile`` backend; ``inductor`` generates the
-            fused kernels, ``eager`` / ``aot_eager`` (or a callable) only trace
-            (for tests).
+        backend: the ``torch.compile`` backend (``eager`` / ``aot_eager`` only trace, for tests).
         on_compile: called with the seconds of each graph forward that may compile.
-        scope: a :data:`~lightning_cg.engine.compile_regions.COMPILE_SCOPES` value: what
-            is compiled, the tower's repeated blocks or the whole graph forward.
+        scope: a :data:`~lightning_cg.engine.compile_regions.COMPILE_SCOPES` value.
         on_give_up: called once compiling is given up (:meth:`give_up`).
 
     Example:
@@ -153,9 +116,8 @@ class CompiledEncoder:
 
     @functools.cached_property
     def compiled_forward(self) -> Callable:
-        """The graph forward with its compiled part. Made at first use: the first
-        ``torch.compile`` imports dynamo (seconds), which a manager whose calls all
-        run eagerly should not pay."""
+        """The graph forward with its compiled part; made at first use, since the first
+        ``torch.compile`` imports dynamo (seconds)."""
         if self.compiled_blocks is None:
             return self._forward_compiled_whole
         return self._forward_with_compiled_blocks
@@ -194,8 +156,7 @@ class CompiledEncoder:
         return self.encoder.postprocess(outputs, inputs)
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The wrapped encoder's graph forward, compiled while :attr:`started` (but
-        see :meth:`_runs_uncompiled`)."""
+        """The wrapped encoder's graph forward, compiled while :attr:`started`."""
         if not self.started or self._runs_uncompiled(path, buffers):
             return self.encoder.graph_forward(path, buffers)
         compiled_for = self._compiled_for(path, buffers)
@@ -211,8 +172,7 @@ class CompiledEncoder:
         return output
 
     def give_up(self, reason: str) -> None:
-        """Stop compiling for good: warn with ``reason``; graph forwards are the
-        adapter's own from now on."""
+        """Stop compiling for good, warning with ``reason``."""
         self.compile_error = reason
         self.started = False
         warnings.warn(
@@ -225,11 +185,9 @@ class CompiledEncoder:
             self.on_give_up()
 
     def _runs_uncompiled(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
-        """Whether the graph of ``buffers`` captures the adapter's own forward: one
-        whose call collects per-layer outputs in a Python list (transformers'
-        ``output_attentions``), with the blocks compiled. Dynamo guards the list's
-        length, so one compiled block would compile again for every block, up to
-        its recompile limit; the whole forward compiled at once does not."""
+        """Whether the graph of ``buffers`` captures the adapter's own forward: with the
+        blocks compiled, a call collecting per-layer outputs in a list would recompile
+        the block for every block (dynamo guards the list's length)."""
         return (
             self.compiled_blocks is not None
             and self._collects_layer_outputs is not None
@@ -254,19 +212,13 @@ class CompiledEncoder:
             return self.encoder.graph_forward(path, buffers)
 
     def _compiled_for(self, path: str, buffers: Mapping[str, torch.Tensor]) -> Hashable:
-        """What one compile serves: the path, and with static shapes its buffers' shapes.
-
-        With static shapes, the third and later shapes of a path reuse the
-        second's symbolic code; their first forward counts all the same (one
-        forward's time, where a compile takes seconds).
-        """
+        """What one compile serves: the path, and with static shapes its buffers' shapes."""
         if not self.static_shapes:
             return path
         return path, tuple((name, tuple(tensor.shape)) for name, tensor in buffers.items())
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for what this class lacks: the adapter's own attributes
-        # (e.g. ``tower``).
+        # Only called for what this class lacks: the adapter's own attributes (``tower``).
         if name == "encoder":
             raise AttributeError(name)
         return getattr(self.encoder, name)

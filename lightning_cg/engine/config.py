@@ -1,9 +1,6 @@
 """The graph configuration: one validated, frozen object shared by every part.
 
-:class:`GraphConfig` holds every option of how a tower's graphs are planned,
-captured and dispatched, under the names the callback, the manager, the Hydra
-configs (``conf/cudagraph/``) and the benchmark all use. It is checked once,
-where it is built; the parts that receive it trust it.
+:class:`GraphConfig` is checked once, where it is built; the parts that receive it trust it.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from lightning_cg.engine.piecewise import (
 
 #: What a capture error without a known fallback does (``capture_errors``).
 CAPTURE_ERRORS = ("raise", "eager")
-#: When a key is captured (``capture``): once its capture is expected to pay for
-#: itself, the first time a batch needs it, or a path's whole ladder at its first call.
+#: When a key is captured (``capture``; see :class:`GraphConfig`).
 CAPTURE_POLICIES = ("paid_back", "first_use", "upfront")
 
 
@@ -68,24 +64,17 @@ class BudgetConfig:
     """How one encoder path's token budgets are chosen.
 
     Attributes:
-        min_budget: smallest budget; None takes the adapter's default.
-        max_budget: largest budget; None takes the adapter's default.
+        min_budget: smallest budget; None takes the adapter's default (so does max_budget).
         budgets: an explicit ladder; overrides min/max.
         ladder: ``pow2`` (double from min), ``geometric`` (multiply by ratio) or
-            ``auto`` (learned from the item sizes of the first batches; see
-            :func:`~lightning_cg.core.learned_budgets.choose_budgets`).
-        ratio: growth of the geometric ladder.
-        align: geometric budgets are rounded up to a multiple of this, auto
-            budgets to a multiple of ``gcd(align, min_budget)``.
+            ``auto`` (learned from the first batches' item sizes).
+        align: geometric budgets are rounded up to a multiple of this, auto budgets
+            to a multiple of ``gcd(align, min_budget)``.
         k: most budgets of an auto ladder.
-        auto_sample_batches: an auto ladder is learned from this many first
-            batches; the ones before the last run eagerly.
-        compiled_ratio: once graphs are captured from a compiled forward with
-            dynamic shapes (one compile serves every budget), a generated
-            ladder coarser than this (``pow2``, or ``geometric`` with a larger
-            ratio) becomes ``geometric`` with this ratio over the same range:
-            finer budgets then cost only their captures and pad less. None
-            keeps the ladder; explicit and ``auto`` ladders are always kept.
+        auto_sample_batches: first batches an auto ladder is learned from (run eagerly).
+        compiled_ratio: with a dynamic-shape compiled forward, a generated ladder coarser
+            than this becomes ``geometric`` at this ratio (finer budgets then cost only
+            their captures); None keeps the ladder.
     """
 
     min_budget: int | None = None
@@ -165,12 +154,8 @@ class BudgetConfig:
 
     @classmethod
     def from_mapping(cls, field_name: str, choice: Mapping[str, Any] | None) -> BudgetConfig:
-        """A BudgetConfig from a mapping of its fields (a Hydra node, a dict).
-
-        Raises:
-            ValueError: ``choice`` is no mapping or has unknown keys; the message
-                names ``field_name`` and the allowed keys.
-        """
+        """A BudgetConfig from a mapping of its fields (a Hydra node, a dict); errors name
+        ``field_name``."""
         if isinstance(choice, BudgetConfig):
             return choice
         if choice is not None and not isinstance(choice, Mapping):
@@ -200,44 +185,26 @@ class GraphConfig:
     """How a tower's graphs are planned, captured and dispatched.
 
     Attributes:
-        mode: a :class:`~lightning_cg.core.dispatcher.GraphMode` (or its lower-case name).
-        budgets: budget choice of every path.
         paths: per encoder path, a budget choice that replaces ``budgets``.
-        max_items_per_batch: most items in one sub-batch; None derives it from
-            the budgets, and an ``auto`` ladder then lowers it to the most items
-            a sampled sub-batch held (rounded up to a power of two).
+        max_items_per_batch: most items in one sub-batch; None derives it from the
+            budgets (an ``auto`` ladder lowers it to what the sample needs).
         max_frames_per_batch: attention sequences a graph holds; None is
             ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
-        packing: ``next_fit`` or ``min_padding``.
-        uniform_item_counts: item counts of the exact uniform keys; None is a
-            power-of-two ladder up to ``max_items_per_batch``.
-        verify: compare the first replay of every graph with eager and raise
-            on a mismatch.
-        splitting_ops: ops PIECEWISE graphs split the tower at (``namespace::name``).
-        piecewise_fallback: ``error``, ``eager`` or ``full``: what a path whose
-            tower cannot be split does.
-        compile: ``true``: capture a ``torch.compile``'d graph forward from the
-            first capture (not with PIECEWISE modes); ``false`` (the default): never.
-        compile_scope: what ``compile`` compiles: ``auto`` (a packed tower's
-            repeated blocks, once for all of them, when they hold most of its
-            weights; else the whole graph forward), ``blocks`` or ``whole``
-            (:mod:`lightning_cg.engine.compile_regions`). Not with ``compile=false``.
-        capture_errors: ``raise`` a capture error without a known fallback, or
-            turn every path ``eager`` from then on.
-        capture: when a key is captured (:mod:`lightning_cg.core.capture_policy`):
-            ``paid_back`` once its capture is expected to pay for itself (the
-            calls known to come repay it, or the eager time spent on it reaches
-            its cost), ``first_use`` the first time a batch needs it,
-            ``upfront`` a path's whole ladder at the path's first call. A graph
-            measured slower than its key's eager runs goes back to eager
-            (``drop_slower_graphs``).
-        drop_slower_graphs: a key whose replays are measured slower than its
-            eager runs goes back to eager.
-        cast_weights_per_run: under autocast, FULL graphs read low-precision
-            copies of the tower's ``Linear`` and ``Conv`` weights, refreshed at
-            each run's start, instead of casting them on every replay
-            (:mod:`lightning_cg.engine.weight_casts`); false: every replay casts, and
-            reads weights changed in the middle of a run.
+        uniform_item_counts: item counts of the exact uniform keys; None: powers of two.
+        verify: compare every graph's first replay with eager; raise on a mismatch.
+        piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
+        compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
+        compile_scope: ``auto`` (a packed tower's repeated blocks when they hold most of
+            its weights, else the whole forward), ``blocks`` or ``whole``.
+        capture_errors: ``raise`` a capture error without a known fallback, or turn
+            every path ``eager``.
+        capture: ``paid_back`` once a key's capture is expected to pay for itself,
+            ``first_use`` the first time a batch needs it, ``upfront`` a path's whole
+            ladder at its first call.
+        drop_slower_graphs: a key whose replays are measured slower than eager goes back.
+        cast_weights_per_run: under autocast, FULL graphs read low-precision weight copies
+            refreshed at each run's start; false: every replay casts (and sees weights
+            changed mid-run).
     """
 
     mode: GraphMode = GraphMode.FULL
@@ -296,8 +263,7 @@ class GraphConfig:
             self._check_compile_only_options()
 
     def _check_compile_only_options(self) -> None:
-        """Refuse what only compiled capture reads: ``compiled_ratio``, and ``align``
-        of a pow2 ladder (which compiling refines into a geometric one)."""
+        """Refuse ``compiled_ratio``, and ``align`` of a pow2 ladder: only compiling reads them."""
         for where, choice in (
             ("budgets", self.budgets),
             *((f"paths.{path}", choice) for path, choice in self.paths.items()),
@@ -323,12 +289,8 @@ class GraphConfig:
     ) -> GraphConfig:
         """A GraphConfig from plain values, as Hydra and keyword callers give them.
 
-        ``budgets`` and each entry of ``paths`` may be mappings of
-        :data:`BUDGET_FIELDS`; a path's entry overrides the keys of ``budgets``
-        it names. ``splitting_ops`` None takes the default ops.
-
-        Raises:
-            ValueError: an unknown option or a bad value, named with the allowed values.
+        ``budgets`` and each entry of ``paths`` may be mappings of :data:`BUDGET_FIELDS`;
+        a path's entry overrides the keys of ``budgets`` it names.
         """
         unknown = sorted(set(options) - {f.name for f in fields(cls)})
         if unknown:
@@ -352,8 +314,7 @@ class GraphConfig:
 
 
 def _path_mapping(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
-    """A path's budget keys: its own, then those of ``budgets`` that still apply to
-    the path's ladder (an explicit ladder of its own inherits none)."""
+    """A path's budget keys: its own, then those of ``budgets`` that apply to its ladder."""
     if own.get("budgets") is not None:
         return dict(own)
     inherited = dict(base)

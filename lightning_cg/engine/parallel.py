@@ -1,28 +1,9 @@
 """Data-parallel encoding: ranks that all hold the same batch share its items.
 
-For a model-parallel language model with a replicated vision tower, every rank
-receives the same batch. :func:`execute_data_parallel` lets each rank encode a
-share of its items through its own graphs (or eagerly) and all-gathers the rows,
-so every rank ends up with the whole batch's output, in item order:
-
-1. :func:`assign_items` gives items to ranks, largest input first to the
-   least-loaded rank. It is a pure function of the item specs, so every rank
-   computes the same assignment and every rank's row count without talking.
-2. Each rank runs ``manager.execute_items`` on its items and flattens their
-   rows item by item, path by path, into one ``(rows, *trailing)`` tensor.
-3. A header all_gather (``HEADER_SIZE`` int64 per rank) agrees on what ranks
-   cannot know beforehand: the rows' dtype and trailing shape (a rank without
-   items still has to allocate its share; under autocast the dtype is not the
-   input's, and a batch-first tower's output width is only known once it has
-   run). The header also carries a fingerprint of the batch's item specs and a
-   failure flag, so a rank that fails, or one that was given another batch,
-   makes every rank raise instead of leaving the others waiting in a collective.
-4. Each rank pads its rows to the largest rank's row count (an empty rank sends
-   zeros), one all_gather moves them, and the rows are unpadded, split per item
-   and path, put back in the original order and joined by ``encoder.postprocess``.
-
-Collectives run only after ``execute_items`` has returned, never inside a
-captured graph; the manager itself never communicates.
+Each rank encodes the share :func:`assign_items` gives it (a pure function of the specs,
+so no rank needs to ask). A header all_gather agrees on the rows' dtype and shape and
+carries a spec fingerprint and a failure flag, so a failed or mismatched rank makes every
+rank raise instead of hanging. Collectives never run inside a captured graph.
 """
 
 from __future__ import annotations
@@ -60,17 +41,8 @@ _NO_ROWS, _ROWS, _FAILED = 0, 1, 2
 
 
 def assign_items(input_sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """Items per rank: largest input first, each to the least-loaded rank.
-
-    Ties go to the lower rank; items of equal size are taken in index order.
-    Each rank's indices are returned in ascending order.
-
-    Args:
-        input_sizes: input rows of each item (``ItemSpec.input_size``).
-        world_size: number of ranks.
-
-    Returns:
-        ``world_size`` lists of item indices; every index is in exactly one.
+    """Item indices per rank (ascending): largest input first, each to the least-loaded
+    rank; ties go to the lower rank and index.
 
     Example:
         >>> assign_items([4, 1, 3, 2], world_size=2)
@@ -98,24 +70,10 @@ def execute_data_parallel(
 ) -> Any:
     """Encode a batch that every rank of ``group`` holds, each rank a share of its items.
 
-    Every rank of ``group`` must call this with the same batch (checked by the
-    item specs' shapes, not the pixels), even a rank that gets no items.
-
-    Args:
-        manager: this rank's manager; its graphs (or eager runs) serve its items.
-        inputs: the adapter's inputs of the whole batch (``inputs_from_call``).
-        group: the process group; None is the default group.
-        device: where collectives run and the gathered rows live; None is the
-            current CUDA device under NCCL, else the CPU. Pass the tower's device.
-
-    Returns:
-        ``manager.encoder.postprocess`` of every item's rows, in input order,
-        the same on every rank. The rows carry no autograd history: with grad
-        enabled every rank runs the whole batch itself (``manager.execute``).
-
-    Raises:
-        RuntimeError: on every rank, when a rank failed to encode its share, the
-            ranks hold different batches, or their rows' dtype or shape differ.
+    Every rank must call this with the same batch (checked by the item specs), even one
+    without items. ``device``: where collectives run; None is the current CUDA device
+    under NCCL, else the CPU. Returns ``manager.encoder.postprocess`` of every item's
+    rows, the same on every rank; with grad enabled each rank runs the whole batch.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("execute_data_parallel needs an initialised torch.distributed group")

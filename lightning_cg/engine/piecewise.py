@@ -1,33 +1,9 @@
 """Piecewise graphs: a tower's graph forward split at its attention ops.
 
-The graph forward is traced once per static buffer set with ``make_fx`` in
-pre-dispatch mode, which keeps ``scaled_dot_product_attention`` (and custom ops
-such as the variable-length flash attention) as single nodes while Python
-control flow is resolved on the real buffers. The trace is cut at every
-splitting op into stages: graph pieces, captured as CUDA graphs in the caller's
-memory pool, and between them the splitting ops, which run eagerly at every
-replay and so read the metadata (``cu_seqlens``) the buffers hold at that time.
-
-:class:`~lightning_cg.engine.piecewise_graph.PiecewiseGraph` captures the pieces of a
-split and runs it. Without CUDA the same stages run eagerly, so CPU tests cover
-everything but the capture.
-
-Example:
-    >>> from lightning_cg.adapters.packed import PackedEncoderAdapter
-    >>> from lightning_cg.engine.encoder import CaptureSpec
-    >>> from examples.models.packed_vit import PackedViT, PackedViTConfig
-    >>> from lightning_cg.engine.piecewise_graph import PiecewiseGraph
-    >>> config = PackedViTConfig(hidden_size=64, depth=2, num_heads=4, patch_size=4,
-    ...                          out_hidden_size=32)
-    >>> adapter = PackedEncoderAdapter(PackedViT(config))
-    >>> spec = CaptureSpec("local", 16, 4, 4, (torch.float32, torch.device("cpu")))
-    >>> buffers = adapter.capture_inputs(spec)
-    >>> with torch.no_grad():
-    ...     split = split_graph_forward(lambda b: adapter.graph_forward("local", b), buffers)
-    ...     graph = PiecewiseGraph(split, buffers)  # pool=None: no CUDA, pieces run eagerly
-    ...     tokens = graph.run()
-    >>> split.num_pieces, split.num_splits, tuple(tokens.shape)
-    (3, 2, (16, 32))
+The forward is traced with ``make_fx`` in pre-dispatch mode, which keeps attention ops
+as single nodes, and cut at every splitting op into stages: graph pieces, and between
+them the splitting ops, which run eagerly at every replay on the metadata the buffers
+then hold. :class:`~lightning_cg.engine.piecewise_graph.PiecewiseGraph` runs a split.
 """
 
 from __future__ import annotations
@@ -64,11 +40,7 @@ class PiecewiseUnsupported(RuntimeError):
 
 
 def check_splitting_ops(splitting_ops: Sequence[str]) -> tuple[str, ...]:
-    """Normalise op names to ``namespace::name`` (``namespace.name`` is accepted too).
-
-    Raises:
-        ValueError: ``splitting_ops`` is empty or an entry has no namespace.
-    """
+    """Normalise op names to ``namespace::name`` (``namespace.name`` is accepted too)."""
     if isinstance(splitting_ops, str) or not splitting_ops:
         raise ValueError(
             f"splitting_ops must be a non-empty list of op names like "
@@ -88,14 +60,8 @@ def check_splitting_ops(splitting_ops: Sequence[str]) -> tuple[str, ...]:
 
 
 def check_ops_registered(splitting_ops: Sequence[str]) -> None:
-    """Refuse an op name of ``splitting_ops`` that no loaded library registered.
-
-    Checked when a manager of a PIECEWISE mode is built (the tower's libraries are
-    imported by then); the defaults are left out, as older torch versions lack some.
-
-    Raises:
-        ValueError: naming the unknown entries.
-    """
+    """Refuse an op name of ``splitting_ops`` that no loaded library registered (the
+    defaults are left out: older torch versions lack some)."""
     unknown = [
         name
         for name in splitting_ops
@@ -175,19 +141,12 @@ def split_graph_forward(
 ) -> PiecewiseSplit:
     """Trace ``forward(buffers)`` and cut it at every splitting op.
 
-    The trace runs the forward once on the buffers, so call it where the
-    pieces will run (device, grad mode, autocast); shapes are those of the buffers.
-
-    Args:
-        forward: the tower's graph forward on a dict of static buffers.
-        buffers: the static buffers; their values must be valid inputs.
-        splitting_ops: op names, see :func:`check_splitting_ops`.
-        name: what ``forward`` is, for error messages.
+    The trace runs the forward once, so call it where the pieces will run (device, grad
+    mode, autocast). ``name`` says what ``forward`` is in error messages.
 
     Raises:
-        PiecewiseUnsupported: the trace stopped (the message names the op and the
-            tower's line), found no splitting op, or the forward does not return
-            one tensor.
+        PiecewiseUnsupported: tracing stopped, no splitting op was found, or the
+            forward does not return one tensor.
     """
     ops = set(check_splitting_ops(splitting_ops))
     module = _trace(forward, buffers, name)
@@ -259,9 +218,8 @@ def _single_output(graph: fx.Graph, name: str) -> fx.Node:
 def _assign_stages(graph: fx.Graph, ops: set[str]) -> tuple[dict[fx.Node, int], list[bool]]:
     """Stage index per computing node; stage ``i`` is eager iff ``eager[i]``.
 
-    Each splitting op opens an eager stage of its own and a graph stage after
-    it. An item taken out of a tuple or list stays with the node that made it,
-    so only tensors cross stage boundaries.
+    Each splitting op gets an eager stage, then a graph stage follows. An item taken out
+    of a tuple stays with the node that made it, so only tensors cross stages.
     """
     stage_of: dict[fx.Node, int] = {}
     eager = [False]
@@ -290,8 +248,8 @@ def _no_split_message(graph: fx.Graph, ops: set[str], name: str) -> str:
 
 
 def _build_stage(module: fx.GraphModule, nodes: list[fx.Node], eager: bool) -> Stage:
-    """A GraphModule of ``nodes`` taking what they read from other stages, returning
-    what other stages (or the forward's output) read from them."""
+    """A GraphModule of ``nodes`` taking what they read from other stages and returning
+    what other stages (or the output) read from them."""
     inside = set(nodes)
     inputs: dict[fx.Node, None] = {}
     for node in nodes:

@@ -1,18 +1,9 @@
 """PiecewiseGraph: a split graph forward prepared on static buffers and run.
 
-The pieces of a :class:`~lightning_cg.engine.piecewise.PiecewiseSplit` are captured as
-CUDA graphs in the caller's memory pool; the splitting ops between them run
-eagerly at every replay, on the metadata the buffers hold at that time.
-
-Values that cross a stage boundary must sit at fixed addresses. A piece's
-outputs that only later pieces read stay in the pool, at the addresses the
-later captures baked in; once their last reader is captured the pool may reuse
-their memory, which is safe because pieces always replay in capture order.
-Values an eager stage reads or writes live in *slots*: tensors outside the
-pool, reused between stages whose values are never alive at the same time, so
-the memory of a split grows with the widest point of the tower, not its depth.
-
-Without CUDA the same stages run eagerly, slots included.
+Values crossing stages sit at fixed addresses. Outputs only later pieces read stay in
+the pool; once their last reader is captured the pool may reuse them (pieces replay in
+capture order). Values eager stages touch live in *slots* outside the pool, reused by
+stages never alive together, so memory grows with the tower's width, not its depth.
 """
 
 from __future__ import annotations
@@ -32,13 +23,8 @@ from lightning_cg.engine.piecewise import PiecewiseSplit, PiecewiseUnsupported, 
 class PiecewiseGraph:
     """A split prepared on one set of static buffers: pieces captured, slots allocated.
 
-    Args:
-        split: from :func:`split_graph_forward` on these buffers (or buffers of
-            the same shapes).
-        buffers: the static buffers the caller fills before each :meth:`run`.
-        pool: a CUDA graph memory pool; None runs the pieces eagerly (no CUDA).
-
-    Build and run it where the graphs replay (grad mode, autocast).
+    ``split`` comes from :func:`split_graph_forward` on buffers of these shapes; ``pool``
+    None runs the pieces eagerly (no CUDA). Build and run it where the graphs replay.
     """
 
     def __init__(
@@ -70,11 +56,8 @@ class PiecewiseGraph:
         return sum(isinstance(step, _PieceStep) and step.graph is not None for step in self._steps)
 
     def run(self) -> torch.Tensor:
-        """Replay the pieces and run the splitting ops on the buffers' current values.
-
-        Returns:
-            The graph forward's output; a fixed tensor the next run overwrites.
-        """
+        """Replay the pieces and run the splitting ops on the buffers' current values; the
+        output is a fixed tensor the next run overwrites."""
         values = dict(self._static)
         for step in self._steps:
             step(values)
@@ -113,10 +96,8 @@ class PiecewiseGraph:
     def _slots_for(
         self, outputs: dict[int, Any], live: dict[fx.Node, Any], stage: Stage
     ) -> dict[int, torch.Tensor]:
-        """A slot per output: a free one of its layout, else a new one.
-
-        A slot is free when no live value shares its storage.
-        """
+        """A slot per output: a free one of its layout (no live value shares its storage),
+        else a new one."""
         busy = {
             tensor.untyped_storage().data_ptr()
             for tensor in tree_leaves(list(live.values()))
@@ -197,8 +178,8 @@ def _layout(tensor: torch.Tensor) -> tuple:
 
 
 def _warm_up(module: fx.GraphModule, args: list[Any]) -> Sequence[Any]:
-    # On a side stream, so lazy initialisation (cuBLAS handles, autotuning)
-    # stays out of the graph; the outputs tell the slots' layouts.
+    # On a side stream, so lazy initialisation stays out of the graph; the outputs tell
+    # the slots' layouts.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

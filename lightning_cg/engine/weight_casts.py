@@ -1,24 +1,9 @@
 """Weight casts made once per run instead of on every replay.
 
-Under autocast a ``Linear`` or ``Conv`` casts its float32 weight and bias to the
-autocast dtype on every call. Eager autocast caches those casts for one step;
-a graph captured under autocast records the cast kernels and replays them every
-time: for a ViT-B, one cast kernel per weight and bias on every replay, a
-sizeable share of a small batch's replay. :class:`WeightCasts` keeps low-precision copies of
-those weights; a graph is captured with the copies in the modules (autocast
-leaves a tensor of its dtype as it is, so nothing is cast), and
-:meth:`WeightCasts.refresh` copies the current values in at the start of each
-run. The values are those autocast would compute, so outputs do not change.
-Copies of 2-D convolution weights are channels_last, so the graph runs the
-convolutions in NHWC as torch.compile does, faster in low precision with the
-same output.
-
-Only modules whose own forward is ``nn.Linear``'s or ``nn.ConvNd``'s are
-served: their weights feed autocast's low-precision ops and nothing else. The
-capturer compares one warm-up with and one without the copies before it
-captures (see :meth:`WeightCasts.agree`), and falls back to casting on every
-replay for a tower where they differ. Weights changed in the middle of a run
-are seen from the next run on.
+A graph captured under autocast replays a cast kernel per weight. Graphs are captured
+with low-precision copies of ``Linear`` and ``Conv`` weights instead (autocast leaves
+them as they are), refreshed at each run's start; 2-D conv copies are channels_last
+(NHWC, faster in low precision). Weights changed mid-run are seen from the next run.
 """
 
 from __future__ import annotations
