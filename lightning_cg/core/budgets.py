@@ -70,11 +70,7 @@ def _geometric_ladder(min_budget: int, max_budget: int, ratio: float, align: int
 
 
 def generate_budgets(
-    min_budget: int,
-    max_budget: int,
-    ladder: str = "pow2",
-    ratio: float = 1.25,
-    align: int = 16,
+    min_budget: int, max_budget: int, ladder: str = "pow2", ratio: float = 1.25, align: int = 16
 ) -> list[int]:
     """Strictly increasing budgets, ``min_budget`` first and ``max_budget`` last.
 

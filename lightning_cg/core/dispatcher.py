@@ -74,14 +74,8 @@ _MIXED_MODE = {
 
 @dataclass(frozen=True)
 class BatchDescriptor:
-    """The shape of a sub-batch, and the key of the graph that runs it.
-
-    Attributes:
-        num_tokens: output tokens of the sub-batch (padded, in a key).
-        num_items: items of the sub-batch; ``None`` in a relaxed key, which
-            serves any item count.
-        uniform: all items are one size; only exact keys set it.
-    """
+    """The shape of a sub-batch (tokens padded, in a key), and the key of its graph;
+    ``num_items`` None is a relaxed key, for any item count."""
 
     num_tokens: int
     num_items: int | None = None
@@ -103,9 +97,8 @@ class CudagraphDispatcher:
     """Picks the runtime mode and graph key of each sub-batch.
 
     Args:
-        uniform_item_counts: item counts of the exact uniform FULL keys, used by
-            ``full_uniform_only`` and ``full_and_piecewise``; counts above a
-            budget get no key at that budget (each item has at least one token).
+        uniform_item_counts: item counts of the separate-routine modes' exact uniform
+            FULL keys; none above a budget (each item has at least one token).
         mixed_item_counts: item counts of ``full``'s mixed FULL keys (for metadata with a
             slot per item, where empty slots cost time); a batch takes the smallest count
             that holds it, up to ``min(budget, max(counts))``. Empty: one per budget.

@@ -185,16 +185,9 @@ def pack_items(
 ) -> list[list[int]]:
     """Group items into sub-batches that fit the graphs.
 
-    Args:
-        item_tokens: tokens per path of each item, e.g. ``{"local": 256}``; a path an
-            item does not name counts zero.
-        max_budgets: the largest budget of each path.
-        strategy: ``next_fit`` or ``min_padding`` (see the module docstring).
-        budgets: the token ladder of each path; required by ``min_padding``.
-
-    Returns:
-        Sub-batches of item indices, each once, smallest items first; items above a
-        path's max budget come last, one per sub-batch.
+    ``item_tokens``: tokens per path of each item (a path not named counts zero);
+    ``budgets``: each path's ladder, required by ``min_padding``. Returns sub-batches of
+    item indices, each once, smallest items first; oversize items come last, one each.
 
     Example:
         >>> pack_items([{"p": 30}, {"p": 10}, {"p": 20}], 2, {"p": 32})

@@ -4,15 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-#: Why a path of a sub-batch ran eagerly, as counted in :class:`GraphStats`.
-EAGER_REASONS = (
-    "no_graph_yet",  # the key is not captured yet: its replays have not yet repaid a capture
-    "policy",  # the capture policy expects no gain from a graph of this key
-    "above_budget",  # no graph holds the sub-batch (more tokens than the largest budget)
-    "measured_slower",  # the key's graph was measured slower than eager
-    "rows_interact",  # the key's padded graph differed from eager: the tower's rows interact
-)
-
 
 @dataclass
 class GraphStats:
@@ -43,11 +34,11 @@ class GraphStats:
     launch_seconds: float = 0.0
     compile_seconds: float = 0.0
     compile_seconds_run: float = 0.0
-    eager_no_graph_yet: int = 0
-    eager_policy: int = 0
-    eager_above_budget: int = 0
-    eager_measured_slower: int = 0
-    eager_rows_interact: int = 0
+    eager_no_graph_yet: int = 0  # not captured yet: its replays have not yet repaid a capture
+    eager_policy: int = 0  # the capture policy expects no gain from a graph of the key
+    eager_above_budget: int = 0  # more tokens than the largest budget
+    eager_measured_slower: int = 0  # the key's graph was measured slower than eager
+    eager_rows_interact: int = 0  # the key's padded graph differed from eager: rows interact
     checked_replays: int = 0
     checked_tokens: int = 0
 
@@ -75,7 +66,7 @@ class GraphStats:
         return 1e6 * self.launch_seconds / self.hits if self.hits else 0.0
 
     def count_eager(self, reason: str) -> None:
-        """One path of a sub-batch ran eagerly for ``reason`` (one of :data:`EAGER_REASONS`)."""
+        """One path of a sub-batch ran eagerly for ``reason`` (an ``eager_*`` field's suffix)."""
         self.misses += 1
         name = f"eager_{reason}"
         setattr(self, name, getattr(self, name) + 1)

@@ -16,10 +16,8 @@ from lightning_cg.engine.static_inputs import StaticInputs
 
 @dataclass(frozen=True)
 class GraphSet:
-    """The batches one set of graphs serves: adapter signature and autocast state.
-
-    Hashed on every key lookup, so the hash is computed once.
-    """
+    """The batches one set of graphs serves: adapter signature and autocast state (hash
+    computed once: it is hashed on every key lookup)."""
 
     signature: Hashable
     autocast: tuple = ()

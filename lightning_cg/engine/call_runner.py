@@ -53,8 +53,7 @@ class CallRunner:
         self.stats = stats
         self.timer = CallTimer()
         self.router = Router(config, plans, cache, capturer, policy, stats, self.timer)
-        #: Called when a compiled graph's first replay differs from eager (its rows are
-        #: then eager's); None while graphs are not compiled.
+        #: Called when a compiled graph's first replay differs from eager; None uncompiled.
         self.on_compiled_mismatch: Callable[[str], None] | None = None
 
     def forget_graphs(self) -> None:

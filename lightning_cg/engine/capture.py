@@ -112,8 +112,7 @@ class GraphCapturer:
                 continue
             if failure is None:
                 break
-            # Out of the except clause: the error's frames (holding the failed graph and
-            # its buffers) are gone before the memory is freed.
+            # Out of the except clause: the error's frames (the failed graph) are gone.
             key, fault = failure
             if fault.kind == CAPTURE_FAILED:
                 self.stop_capturing(fault)
@@ -198,11 +197,7 @@ class GraphCapturer:
             cast_dtype = self._warm_up(path, buffers)
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with (
-            self._casts_in(cast_dtype),
-            capturing(),
-            torch.cuda.graph(cuda_graph, pool=pool),
-        ):
+        with self._casts_in(cast_dtype), capturing(), torch.cuda.graph(cuda_graph, pool=pool):
             output = self.encoder.graph_forward(path, buffers)
         return cuda_graph, output
 

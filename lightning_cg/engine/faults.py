@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Kinds of capture fault; the manager recovers from CAPTURE_FAILED only when
-#: asked to (``capture_errors="eager"``).
+#: Kinds of capture fault; CAPTURE_FAILED is recovered from only with capture_errors="eager".
 OUT_OF_MEMORY = "out_of_memory"
 UNCAPTURABLE = "uncapturable"
 CAPTURE_FAILED = "capture_failed"
@@ -39,8 +38,7 @@ class CaptureFault:
         return f"{self.cause} ({self.error}): {self.fix}"
 
 
-#: (markers in an error message, cause, fix), most specific first; matched
-#: case-insensitively against every error of the chain.
+#: (lower-case markers in an error message, cause, fix), most specific first.
 _UNCAPTURABLE: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (
         (

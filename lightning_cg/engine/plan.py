@@ -213,8 +213,7 @@ class Plan:
     ) -> GraphKey | None:
         runtime_mode, found = plan.dispatcher.dispatch(desc)
         if not self._holds_frames(plan, runtime_mode, found, frames):
-            # More sequences than the key's graph holds: a mixed key with as many slots,
-            # else no FULL key.
+            # More sequences than the key's graph holds: a mixed key with enough slots.
             slots = min(-(-frames // plan.item_frames), self.max_items)
             runtime_mode, found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
             if not self._holds_frames(plan, runtime_mode, found, frames):

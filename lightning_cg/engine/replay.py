@@ -24,11 +24,7 @@ TF32_TOLERANCE = 5e-3
 
 
 def replay(
-    graph: CapturedGraph,
-    encoder: GraphableEncoder,
-    inputs: Any,
-    total: int,
-    stats: GraphStats,
+    graph: CapturedGraph, encoder: GraphableEncoder, inputs: Any, total: int, stats: GraphStats
 ) -> torch.Tensor:
     """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real
     rows, contiguous; the launch's host seconds go to ``stats.launch_seconds``."""
