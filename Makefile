@@ -26,8 +26,9 @@ test-all: $(STAMP)
 test-gpu:
 	bash scripts/test_gpu.sh
 
-# Each pass (5 on a GPU, in bf16-mixed) serves the photos 4 times, one a batch: the
-# captures repay early, the later passes show the steady state.
+# Each pass (5 on a GPU, in bf16-mixed) serves the photos 4 times, one a batch: a
+# pass is captured for once earlier passes ran long enough eagerly, and the later
+# passes show the steady state.
 demo: $(STAMP)
 	$(PY) scripts/predict.py data.batch_size=1 data.repeats=4 \
 		$$($(PY) -c 'import torch; print("trainer=gpu" * torch.cuda.is_available())')
