@@ -40,18 +40,11 @@ def check_compile(compile: bool, mode: GraphMode) -> bool:
     return compile
 
 
-def compiled_encoder_for(
-    encoder: GraphableEncoder,
-    config: GraphConfig,
-    on_compile: Callable[[float], None],
-    on_give_up: Callable[[], None],
-) -> CompiledEncoder | None:
+def compiled_encoder_for(encoder: GraphableEncoder, config: GraphConfig) -> CompiledEncoder | None:
     """The compiling wrapper around ``encoder`` for ``config.compile`` True, else None."""
     if config.compile is not True:
         return None
-    return CompiledEncoder(
-        encoder, on_compile=on_compile, scope=config.compile_scope, on_give_up=on_give_up
-    )
+    return CompiledEncoder(encoder, scope=config.compile_scope)
 
 
 class CompiledEncoder:

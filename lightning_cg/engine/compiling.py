@@ -13,42 +13,33 @@ from lightning_cg.core.capture_policy import CapturePolicy
 from lightning_cg.core.stats import GraphStats
 from lightning_cg.engine.call_runner import CallRunner
 from lightning_cg.engine.capture import GraphCapturer
-from lightning_cg.engine.compiled import CompiledEncoder, compiled_encoder_for
+from lightning_cg.engine.compiled import CompiledEncoder
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
-from lightning_cg.engine.encoder import GraphableEncoder
 from lightning_cg.engine.plan import PlanRef, use_ladders
 from lightning_cg.engine.weight_casts import weight_casts_for
 
 
 class CompileLifecycle:
-    """The compiled capture of one manager: the wrapper, its plans, how it ends.
+    """The compiled capture of one manager (``compile=True``): its plans, and how it ends.
 
-    Built before the parts that capture (they are built over :attr:`encoder`), and
-    handed them by :meth:`connect`.
+    Built once the parts that capture exist (they capture ``compiled``); plans
+    compiled graphs from the start.
+
+    Args:
+        compiled: the compiling wrapper of the adapter, which the parts capture.
+        plans: the current plan, whose ladders compiled graphs refine.
+        budget_choices: each path's budget choice, which the ladders come from.
+        capturer: holds the weight copies uncompiled graphs read.
+        capture_policy: told whether graphs fuse work.
+        runner: checks compiled graphs' first replays against eager.
+        clear: drops every graph, buffer and the pool.
     """
 
-    # The parts whose plans compiling changes, handed over by connect().
-    _plans: PlanRef
-    _budget_choices: Mapping[str, BudgetConfig]
-    _capturer: GraphCapturer
-    _capture_policy: CapturePolicy
-    _runner: CallRunner
-    _clear: Callable[[], None]
-
-    def __init__(self, encoder: GraphableEncoder, config: GraphConfig, stats: GraphStats) -> None:
-        self.config = config
-        self.stats = stats
-        #: The compiling wrapper of the adapter (None when nothing may compile).
-        self.compiled_encoder: CompiledEncoder | None = compiled_encoder_for(
-            encoder, config, self._count_compile_seconds, self._compiling_given_up
-        )
-        #: What the graphs run: the compiling wrapper, or the adapter itself.
-        self.encoder: GraphableEncoder = self.compiled_encoder or encoder
-        #: Compiling was given up: the next call restores the uncompiled plans.
-        self._uncompiled_plans_due = False
-
-    def connect(
+    def __init__(
         self,
+        compiled: CompiledEncoder,
+        config: GraphConfig,
+        stats: GraphStats,
         plans: PlanRef,
         budget_choices: Mapping[str, BudgetConfig],
         capturer: GraphCapturer,
@@ -56,16 +47,20 @@ class CompileLifecycle:
         runner: CallRunner,
         clear: Callable[[], None],
     ) -> None:
-        """Hand over the parts whose plans compiling changes (once, before the first
-        call); with ``compile=True``, plan compiled graphs now."""
+        self.compiled_encoder = compiled
+        self.config = config
+        self.stats = stats
         self._plans = plans
         self._budget_choices = budget_choices
         self._capturer = capturer
         self._capture_policy = capture_policy
         self._runner = runner
         self._clear = clear
-        if self.config.compile is True:
-            self._use_compiled_plans()
+        #: Compiling was given up: the next call restores the uncompiled plans.
+        self._uncompiled_plans_due = False
+        compiled.on_compile = self._count_compile_seconds
+        compiled.on_give_up = self._compiling_given_up
+        self._use_compiled_plans()
 
     def before_call(self) -> None:
         """Bring back the uncompiled plans if compiling was given up since the last call."""
@@ -84,7 +79,7 @@ class CompileLifecycle:
         every budget (dynamic shapes)."""
         if not self.compiled_encoder.static_shapes:
             use_ladders(
-                self.encoder,
+                self.compiled_encoder,
                 self._plans,
                 self._budget_choices,
                 self.config.max_items_per_batch,
@@ -109,7 +104,7 @@ class CompileLifecycle:
         self._clear()
         self._use_ladders(compiled=False)
         self._capturer.weight_casts = weight_casts_for(
-            self.encoder, self.config.cast_weights_per_run
+            self.compiled_encoder, self.config.cast_weights_per_run
         )
 
     def _count_compile_seconds(self, seconds: float) -> None:

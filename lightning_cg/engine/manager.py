@@ -18,7 +18,7 @@ from lightning_cg.engine.auto_ladder import AutoLadder
 from lightning_cg.engine.cache import GraphCache, GraphSet
 from lightning_cg.engine.call_runner import CallRunner
 from lightning_cg.engine.capture import GraphCapturer, ProgressFn, path_keys
-from lightning_cg.engine.compiled import CompiledEncoder
+from lightning_cg.engine.compiled import compiled_encoder_for
 from lightning_cg.engine.compiling import CompileLifecycle
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
@@ -64,9 +64,9 @@ class EncoderGraphManager:
         self.stats = GraphStats()
         # Adapters that build their output from each path's rows skip the per-item split.
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
-        # Built first: the parts below capture its encoder (the compiling wrapper).
-        self.compiling = CompileLifecycle(encoder, self.config, self.stats)
-        encoder = self.encoder = self.compiling.encoder
+        #: The compiling wrapper of the adapter, which the parts capture (None uncompiled).
+        self.compiled_encoder = compiled_encoder_for(encoder, self.config)
+        encoder = self.encoder = self.compiled_encoder or encoder
         self.encoder_config = encoder.graph_config()
         choices = path_budget_choices(self.encoder_config, self.config)
         #: The current plan, replaced as a whole whenever it changes.
@@ -98,20 +98,25 @@ class EncoderGraphManager:
         self.runner = CallRunner(
             encoder, self.config, self.plans, self.cache, self.capturer, self.policy, self.stats
         )
-        # Compiling changes the plan as it starts and ends (compile=True: now).
-        self.compiling.connect(
-            self.plans, choices, self.capturer, self.policy, self.runner, self.clear
-        )
+        #: Compiled capture's plans and how it ends (None uncompiled).
+        self.compiling = None
+        if self.compiled_encoder is not None:
+            self.compiling = CompileLifecycle(
+                self.compiled_encoder,
+                self.config,
+                self.stats,
+                self.plans,
+                choices,
+                self.capturer,
+                self.policy,
+                self.runner,
+                self.clear,
+            )
 
     @property
     def capture_error(self) -> str | None:
         """The capture error that turned every path eager (``capture_errors="eager"``)."""
         return self.capturer.capture_error
-
-    @property
-    def compiled_encoder(self) -> CompiledEncoder | None:
-        """The compiling wrapper of the adapter (None when nothing may compile)."""
-        return self.compiling.compiled_encoder
 
     @property
     def weight_casts(self) -> WeightCasts | None:
@@ -190,7 +195,8 @@ class EncoderGraphManager:
         if torch.is_grad_enabled() or self._sampling(specs):
             outputs = self.runner.run_eagerly(inputs, specs)
         else:
-            self.compiling.before_call()
+            if self.compiling is not None:
+                self.compiling.before_call()
             outputs = self.runner.run(inputs, specs)  # inline: a short call path to the replay
         joined = outputs.joined() if self._postprocess_joined is not None else None
         if joined is not None:
@@ -202,7 +208,8 @@ class EncoderGraphManager:
         specs = self._counted_specs(inputs)
         if torch.is_grad_enabled() or self._sampling(specs):
             return self.runner.run_eagerly(inputs, specs).per_item()
-        self.compiling.before_call()
+        if self.compiling is not None:
+            self.compiling.before_call()
         return self.runner.run(inputs, specs).per_item()
 
     def _counted_specs(self, inputs: Any) -> list[ItemSpec]:

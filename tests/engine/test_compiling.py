@@ -176,6 +176,7 @@ def test_compiled_graphs_that_equal_eager_are_kept(monkeypatch):
 def test_nothing_compiles_unless_compile_is_true(options):
     manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), **options)
     assert manager.config.compile is False and manager.compiled_encoder is None
+    assert manager.compiling is None  # nothing checks or replans compiled graphs
     assert not manager.policy.graphs_fuse_work
 
 
