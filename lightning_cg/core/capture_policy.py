@@ -96,7 +96,8 @@ class CapturePolicy:
 
     Args:
         first_use: capture every key at its first sighting (``capture="first_use"``).
-        drop_slower_graphs: :meth:`slower_than_eager` may send a key back to eager.
+        drop_slower_graphs: :meth:`slower_than_eager` may send a key back to eager
+            (always in a manager; scripted-timing tests turn it off).
 
     Example:
         >>> policy = CapturePolicy(process=ProcessCaptures())

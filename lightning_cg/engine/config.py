@@ -201,7 +201,6 @@ class GraphConfig:
         capture: ``paid_back`` once a key's capture is expected to pay for itself,
             ``first_use`` the first time a batch needs it, ``upfront`` a path's whole
             ladder at its first call.
-        drop_slower_graphs: a key whose replays are measured slower than eager goes back.
         cast_weights_per_run: under autocast, FULL graphs read low-precision weight copies
             refreshed at each run's start; false: every replay casts (and sees weights
             changed mid-run).
@@ -221,7 +220,6 @@ class GraphConfig:
     compile_scope: str = "auto"
     capture_errors: str = "raise"
     capture: str = "paid_back"
-    drop_slower_graphs: bool = True
     cast_weights_per_run: bool = True
 
     def __post_init__(self) -> None:
@@ -246,7 +244,7 @@ class GraphConfig:
             for index, count in enumerate(self.uniform_item_counts):
                 _check_positive_int(f"uniform_item_counts[{index}]", count)
             set_field(self, "uniform_item_counts", tuple(self.uniform_item_counts))
-        for name in ("verify", "drop_slower_graphs", "cast_weights_per_run"):
+        for name in ("verify", "cast_weights_per_run"):
             _check_bool(name, getattr(self, name))
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)

@@ -77,10 +77,7 @@ class EncoderGraphManager:
         self.capturer = GraphCapturer(
             encoder, self.config, self.plans, self.cache, self.stats, progress, weight_casts
         )
-        self.policy = CapturePolicy(
-            first_use=self.config.capture in ("first_use", "upfront"),
-            drop_slower_graphs=self.config.drop_slower_graphs,
-        )
+        self.policy = CapturePolicy(first_use=self.config.capture in ("first_use", "upfront"))
         self.auto_ladder = AutoLadder(
             choices,
             self.plans,

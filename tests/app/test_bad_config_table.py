@@ -46,7 +46,6 @@ HYDRA_ROWS = [
     ("predict", ["compare_eager=maybe"], "compare_eager"),
     ("train", ["compare_eager=sometimes"], "compare_eager"),
     ("validate", ["cudagraph.verify=1"], "verify"),
-    ("predict", ["cudagraph.drop_slower_graphs=0"], "drop_slower_graphs"),
     ("predict", ["cudagraph.cast_weights_per_run=yes"], "cast_weights_per_run"),
     ("predict", ["cudagraph.encoder_data_parallel=2"], "encoder_data_parallel"),
     # budgets: integers, in a list, in range
@@ -186,7 +185,6 @@ PYTHON_ROWS = [
         callback(encoder_data_parallel="true"),
         "encoder_data_parallel",
     ),
-    ("callback drop_slower_graphs=None", callback(drop_slower_graphs=None), "drop_slower_graphs"),
     ("callback cast_weights_per_run=1", callback(cast_weights_per_run=1), "cast_weights_per_run"),
     (
         "callback compile_scope='layers'",

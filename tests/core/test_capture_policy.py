@@ -297,10 +297,13 @@ def test_forgotten_graphs_keep_what_the_eager_runs_taught():
 # ----------------------------------------------------------- through the manager
 
 
-def toy_manager(**options) -> tuple:
+def toy_manager(drop_slower_graphs: bool = True, **options) -> tuple:
+    """A manager of the toy tower; ``drop_slower_graphs=False`` keeps the CPU's noisy
+    replay timings from sending its key back to eager."""
     torch.manual_seed(0)
     tower = ToyTower().eval()
     manager = EncoderGraphManager(ToyEncoder(tower), budgets={"budgets": [16, 64]}, **options)
+    manager.policy.drop_slower_graphs = drop_slower_graphs
     tokens, lengths = torch.randn(12, 8), torch.tensor([5, 7])
     inputs = manager.encoder.inputs_from_call((tokens, lengths), {})
     return tower, manager, inputs, tower(tokens, lengths).detach()
