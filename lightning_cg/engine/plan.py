@@ -19,7 +19,8 @@ from lightning_cg.engine.cache import GraphKey, GraphSet
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, GraphableEncoder, ItemSpec
 
-#: Call plans a plan remembers before it starts over (mixed sizes have many shapes).
+#: Call plans (and sub-batch keys) a plan remembers before it starts over: mixed
+#: sizes give many shapes, and a long run must not grow them without bound.
 MAX_CALL_PLANS = 4096
 
 
@@ -202,9 +203,11 @@ class Plan:
         plan = self.paths[path]
         if self.mode is GraphMode.NONE or plan.eager_reason is not None:
             return None
-        shape = (graph_set, path, sum(tokens), len(tokens), len(set(tokens)) == 1, frames)
+        desc = BatchDescriptor(sum(tokens), len(tokens), len(set(tokens)) == 1)
+        shape = (graph_set, path, desc, frames)
         if shape not in self._keys:
-            desc = BatchDescriptor(sum(tokens), len(tokens), len(set(tokens)) == 1)
+            if len(self._keys) >= MAX_CALL_PLANS:
+                self._keys.clear()
             self._keys[shape] = self._find_key(graph_set, path, plan, desc, frames)
         return self._keys[shape]
 

@@ -10,6 +10,7 @@ from test_faults import FailingEncoder, out_of_memory
 from test_manager import run
 from toy_encoder import ToyEncoder, ToyTower
 
+from lightning_cg.engine import plan as plan_module
 from lightning_cg.engine.cache import GraphSet
 from lightning_cg.engine.config import BudgetConfig
 from lightning_cg.engine.manager import EncoderGraphManager
@@ -114,3 +115,14 @@ def test_compiled_ratio_must_be_a_number_above_one(bad):
         match=rf"compiled_ratio must be a finite number > 1 or None; got compiled_ratio={bad!r}",
     ):
         BudgetConfig(compiled_ratio=bad)
+
+
+def test_a_plan_remembers_a_bounded_number_of_call_shapes(monkeypatch):
+    # A long run of mixed sizes meets ever new call shapes: what a plan remembers
+    # of them (its call plans and sub-batch keys, private) must stay bounded.
+    monkeypatch.setattr(plan_module, "MAX_CALL_PLANS", 3)
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets=LADDER)
+    plans = [call_plan(manager, [length]) for length in range(1, 9)]
+    assert len(manager.plans.plan._calls) <= 3 and len(manager.plans.plan._keys) <= 3
+    # Forgotten shapes are planned again, as before.
+    assert call_plan(manager, [1]) == plans[0] and call_plan(manager, [8]) == plans[-1]
