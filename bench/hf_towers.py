@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from examples.models.hf import clip_vision_tower
-from lightning_cg.adapters.hf_optional import require_transformers
+from lightning_cg.adapters.hf import require_transformers
 
 CLIP_TOWER = "clip_vit_b16"
 QWEN_TOWER = "qwen2_vl_vision"

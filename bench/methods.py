@@ -70,20 +70,10 @@ def eager_method(tower: nn.Module, workload: Workload, settings: BenchSettings) 
 def graph_method(
     tower: nn.Module, workload: Workload, settings: BenchSettings, mode: str = "full"
 ) -> Runner:
-    """Through :class:`EncoderGraphManager` on ``adapter_for(tower)``; captures lazily.
-
-    An ``auto`` ladder is learned from the item sizes of every batch of the
-    workload, read without running the tower, as a dataset's sizes would be.
-    """
+    """Through :class:`EncoderGraphManager` on ``adapter_for(tower)``; captures lazily."""
     manager = EncoderGraphManager(adapter_for(tower), graph_config(settings.manager, mode))
     encoder = manager.encoder
     calls = _calls(workload)
-    manager.learn_budgets(
-        [
-            [spec.path_tokens for spec in encoder.item_specs(encoder.inputs_from_call(*call))]
-            for call in calls
-        ]
-    )
     # The capture policy weighs a capture against the calls the measurement makes.
     passes = 1 + settings.warmup + settings.repeats
     if workload.stream:

@@ -3,7 +3,7 @@
     python scripts/profile_host.py workloads=[packed_vit] scenarios=[photos]
     python scripts/profile_host.py workloads=[packed_vit_small] scenarios=[mixed_4] +kernels=true
     python scripts/profile_host.py workloads=[stream] +kernels=true +against=compile \
-        manager.compile=true +manager.budgets.ladder=auto
+        manager.compile=true
 
 Takes conf/bench.yaml and its overrides (the first workload: a tower's first
 scenario, or ``stream``; the first mode; the ``manager`` settings), warms the

@@ -92,10 +92,7 @@ class ToyEncoder:
             modalities=("image",),
             paths={
                 "local": PathConfig(min_token_budget=8, per_item_metadata=self.per_item_metadata),
-                "global": PathConfig(
-                    min_token_budget=max(self.tower.global_tokens, 1),
-                    allow_zero_tokens=not self.tower.global_tokens,
-                ),
+                "global": PathConfig(min_token_budget=max(self.tower.global_tokens, 1)),
             },
             padding_rules={"cu_seqlens": "repeat_last"},
             out_hidden_size=self.tower.out.out_features,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from examples.models.lit import Batch, VisionClassifier
-from lightning_cg.adapters.hf_optional import require_transformers
+from lightning_cg.adapters.hf import require_transformers
 
 #: CLIP ViT-B/16's vision tower (openai/clip-vit-base-patch16).
 CLIP_VIT_B_16 = {

@@ -84,7 +84,7 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
 
 def adapter_name_by_type(tower: nn.Module) -> str | None:
     """The adapter name ``adapter_for(tower)`` picks by type; None when none fits."""
-    from lightning_cg.adapters.hf_optional import is_transformers_tower
+    from lightning_cg.adapters.hf import is_transformers_tower
     from lightning_cg.adapters.qwen import qwen_tower_kind
 
     if takes_packed_patches(tower) or qwen_tower_kind(tower) is not None:

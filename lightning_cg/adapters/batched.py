@@ -161,7 +161,5 @@ def dummy_rows(
     count: int, item_shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """Valid capture data: ``count`` random rows (zeros for integer and boolean dtypes)."""
-    shape = (count, *item_shape)
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    make = torch.randn if dtype.is_floating_point else torch.zeros
+    return make((count, *item_shape), dtype=dtype, device=device)

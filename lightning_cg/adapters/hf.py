@@ -2,13 +2,16 @@
 
 Each batch row is one item on the path ``image``. Hashable options (and the config's
 defaults) key the graphs; per-item tensors are split like the pixels, other tensors copied
-whole; the output is carried as rows (:mod:`~lightning_cg.adapters.structured`).
+whole; the output is carried as rows (:class:`~lightning_cg.adapters.row_outputs.TreeLayout`).
+transformers is an optional dependency: imported only when needed, never to recognise a tower.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,25 +19,76 @@ from torch import nn
 
 from lightning_cg.adapters import join_rows, select_rows
 from lightning_cg.adapters.batched import IMAGE_PATH, BatchedEncoderAdapter, dummy_rows
-from lightning_cg.adapters.hf_calls import (
-    CONFIG_FLAGS,
-    PER_ITEM_INPUTS,
-    SHARED_INPUTS,
-    HFCallSignature,
-    HFInputs,
-    batched_spec,
-    hashable_option,
-    whole_spec,
-)
-
-# Re-exported: users import it from here.
-from lightning_cg.adapters.hf_optional import is_transformers_tower as is_transformers_tower
-from lightning_cg.adapters.hf_optional import require_transformers
-from lightning_cg.adapters.structured import RowLayout, output_rows
+from lightning_cg.adapters.row_outputs import TreeLayout, output_rows
 from lightning_cg.engine.encoder import CaptureSpec, ItemSpec
 
+#: Where to get the optional dependency.
+INSTALL_HINT = "pip install 'lightning-cg[hf]'"
+#: Tensor arguments that hold one row per item: padded and split with the pixels.
+PER_ITEM_INPUTS = ("bool_masked_pos", "attention_mask", "pixel_attention_mask", "pixel_mask")
+#: Tensor arguments that apply to the whole batch: copied whole into every replay.
+SHARED_INPUTS = ("head_mask",)
+#: Config fields transformers reads when the call leaves them out; part of the signature.
+CONFIG_FLAGS = ("return_dict", "output_hidden_states", "output_attentions", "_attn_implementation")
 #: Separates an argument's name from its call's index in a static buffer's name.
 _CALL_MARK = "@"
+
+
+def require_transformers(what: str) -> Any:
+    """The transformers module, or an ImportError that says how to install it."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            f"{what} needs the optional dependency transformers, which is not installed: "
+            f"{INSTALL_HINT}"
+        ) from error
+    return transformers
+
+
+def is_transformers_tower(tower: nn.Module) -> bool:
+    """Whether ``tower`` is a transformers ``PreTrainedModel`` taking ``pixel_values``."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(tower, transformers.PreTrainedModel):
+        return False
+    return "pixel_values" in inspect.signature(type(tower).forward).parameters
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape (per item for batched tensors), dtype and device of a tensor argument."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, per_item: bool) -> TensorSpec:
+        """The spec of ``tensor``, or of one item's row of it when ``per_item``."""
+        return cls(
+            tuple(tensor.shape[1:] if per_item else tensor.shape), tensor.dtype, tensor.device
+        )
+
+
+@dataclass(frozen=True)
+class HFCallSignature:
+    """What one set of graphs is captured for: tensor specs, other arguments, config flags."""
+
+    pixels: TensorSpec
+    per_item: tuple[tuple[str, TensorSpec], ...]
+    shared: tuple[tuple[str, TensorSpec], ...]
+    options: tuple[tuple[str, Hashable], ...]
+    config: tuple[tuple[str, Hashable], ...]
+
+
+@dataclass(frozen=True)
+class HFInputs:
+    """One call of the tower: pixels, per-item and shared tensors, and its signature."""
+
+    pixels: torch.Tensor
+    per_item: Mapping[str, torch.Tensor]
+    shared: Mapping[str, torch.Tensor]
+    signature: HFCallSignature
 
 
 class HFEncoderAdapter(BatchedEncoderAdapter):
@@ -77,10 +131,9 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             )
         self.per_item_inputs = tuple(per_item_inputs)
         self.shared_inputs = tuple(shared_inputs)
-        #: Call signatures by index, in order of first use; a buffer name carries the index.
-        self._signatures: list[HFCallSignature] = []
+        #: Call signatures' indices, in order of first use; a buffer name carries the index.
         self._signature_index: dict[HFCallSignature, int] = {}
-        self._layouts: dict[tuple[HFCallSignature, tuple], RowLayout] = {}
+        self._layouts: dict[tuple[HFCallSignature, tuple], TreeLayout] = {}
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> HFInputs:
         """Sort a call's arguments into pixels, per-item and shared tensors, and options."""
@@ -97,18 +150,37 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         options: dict[str, Hashable] = {}
         for name, value in arguments.items():
             if isinstance(value, torch.Tensor):
-                target = per_item if self._is_per_item(name, value, len(pixels)) else shared
-                target[name] = value
+                rows_match = value.dim() > 0 and value.shape[0] == len(pixels)
+                if (
+                    name in self.per_item_inputs
+                    and name not in self.shared_inputs
+                    and not rows_match
+                ):
+                    raise ValueError(
+                        f"{name} has shape {list(value.shape)}; as a per-item input it needs "
+                        f"{len(pixels)} rows, one per row of {self._input_name}"
+                    )
+                per_item_input = rows_match and name not in self.shared_inputs
+                (per_item if per_item_input else shared)[name] = value
             else:
-                options[name] = hashable_option(name, value)
+                try:
+                    hash(value)
+                except TypeError:
+                    raise ValueError(
+                        f"argument {name}={value!r} is neither a tensor nor hashable; graphs are "
+                        "captured per value of every non-tensor argument, so it must be hashable "
+                        "(a bool, a number, a string, None, a tuple)"
+                    ) from None
+                options[name] = value
+        config = getattr(self.tower, "config", None)
         signature = HFCallSignature(
-            pixels=batched_spec(pixels),
-            per_item=tuple((name, batched_spec(value)) for name, value in per_item.items()),
-            shared=tuple((name, whole_spec(value)) for name, value in shared.items()),
+            pixels=TensorSpec.of(pixels, per_item=True),
+            per_item=tuple((name, TensorSpec.of(v, per_item=True)) for name, v in per_item.items()),
+            shared=tuple((name, TensorSpec.of(v, per_item=False)) for name, v in shared.items()),
             options=tuple(options.items()),
-            config=self._config_flags(),
+            config=tuple((flag, getattr(config, flag, None)) for flag in CONFIG_FLAGS),
         )
-        self._index_of(signature)
+        self._signature_index.setdefault(signature, len(self._signature_index))
         return HFInputs(pixels, per_item, shared, signature)
 
     def item_specs(self, inputs: HFInputs) -> list[ItemSpec]:
@@ -158,13 +230,6 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             self._remember_layout(signature, output, batch_size)
         return output_rows(output, batch_size)
 
-    def collects_layer_outputs(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
-        """Whether ``buffers``' graph collects attentions in a list (compiled blocks recompile)."""
-        signature, _ = self._unnamed(buffers)
-        requested = dict(signature.options).get("output_attentions")  # None: the config's
-        default = dict(signature.config).get("output_attentions")
-        return bool(default if requested is None else requested)
-
     def eager_forward(self, path: str, inputs: HFInputs) -> torch.Tensor:
         """The original forward on exactly ``inputs``, its output flattened to rows."""
         self._check_path(path)
@@ -204,27 +269,10 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
                 arguments[name] = value
         return arguments
 
-    def _is_per_item(self, name: str, value: torch.Tensor, batch_size: int) -> bool:
-        rows_match = value.dim() > 0 and value.shape[0] == batch_size
-        if name in self.shared_inputs:
-            return False
-        if name in self.per_item_inputs and not rows_match:
-            raise ValueError(
-                f"{name} has shape {list(value.shape)}; as a per-item input it needs "
-                f"{batch_size} rows, one per row of {self._input_name}"
-            )
-        return rows_match
-
-    def _config_flags(self) -> tuple[tuple[str, Hashable], ...]:
-        config = getattr(self.tower, "config", None)
-        return tuple((flag, getattr(config, flag, None)) for flag in CONFIG_FLAGS)
-
     def _tensors(self, inputs: HFInputs, shared_as_row: bool = False) -> dict[str, torch.Tensor]:
-        tensors = {self._input_name: inputs.pixels, **inputs.per_item}
-        for name, value in inputs.shared.items():
-            # A static buffer is indexed by rows: a shared tensor is one row of it.
-            tensors[name] = value.unsqueeze(0) if shared_as_row else value
-        return tensors
+        # A static buffer is indexed by rows: a shared tensor is one row of it.
+        shared = {name: v.unsqueeze(0) if shared_as_row else v for name, v in inputs.shared.items()}
+        return {self._input_name: inputs.pixels, **inputs.per_item, **shared}
 
     def _run_call(self, inputs: HFInputs) -> Any:
         return self._forward(**self._tensors(inputs), **dict(inputs.signature.options))
@@ -233,33 +281,22 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         self, signature: HFCallSignature, tensors: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         # graph_forward gets only the buffers, so their names carry the call's index.
-        index = self._index_of(signature)
+        index = self._signature_index.setdefault(signature, len(self._signature_index))
         return {f"{name}{_CALL_MARK}{index}": tensor for name, tensor in tensors.items()}
 
     def _unnamed(
         self, buffers: Mapping[str, torch.Tensor]
     ) -> tuple[HFCallSignature, dict[str, torch.Tensor]]:
-        tensors, indices = {}, set()
-        for buffer_name, tensor in buffers.items():
-            name, _, index = buffer_name.rpartition(_CALL_MARK)
-            tensors[name] = tensor
-            indices.add(int(index))
-        (index,) = indices
-        return self._signatures[index], tensors
-
-    def _index_of(self, signature: HFCallSignature) -> int:
-        index = self._signature_index.get(signature)
-        if index is None:
-            index = self._signature_index[signature] = len(self._signatures)
-            self._signatures.append(signature)
-        return index
+        split = {name.rpartition(_CALL_MARK): tensor for name, tensor in buffers.items()}
+        (index,) = {int(index) for _, _, index in split}
+        return list(self._signature_index)[index], {name: t for (name, _, _), t in split.items()}
 
     def _remember_layout(self, signature: HFCallSignature, output: Any, batch_size: int) -> None:
         key = (signature, _autocast_state())
         if key not in self._layouts:
-            self._layouts[key] = RowLayout.of(output, batch_size)
+            self._layouts[key] = TreeLayout.of(output, batch_size)
 
-    def _layout(self, inputs: HFInputs) -> RowLayout:
+    def _layout(self, inputs: HFInputs) -> TreeLayout:
         """This call's output layout (an item runs eagerly once if a compiled forward kept none)."""
         key = (inputs.signature, _autocast_state())
         if key not in self._layouts:

@@ -2,25 +2,23 @@
 
 Two paths: ``local`` (each item at its native resolution, ``t*h*w / merge**2`` tokens) and
 ``global`` (a fixed low-resolution view of the first frame, or none). Padding repeats the
-last ``cu_seqlens`` offset, so padding patches belong to no sequence.
+last ``cu_seqlens`` offset, so padding patches belong to no sequence. Items are packed patch
+after patch (the Qwen2-VL convention): item ``i`` owns ``t * h * w`` consecutive rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import itertools
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from lightning_cg.adapters import join_rows
-from lightning_cg.adapters.packed_inputs import (
-    PackedInputs,
-    read_packed_call,
-    select_packed_items,
-    tower_device,
-)
+from lightning_cg.adapters import as_slice, join_rows, select_rows
 from lightning_cg.engine.budget_memory import MIN_ELEMENT_BYTES
 from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 from lightning_cg.engine.static_inputs import PieceRows
@@ -33,15 +31,12 @@ DEFAULT_MAX_TOKEN_BUDGET = 4096
 #: Most item sizes whose ItemSpec an adapter keeps; past it, it starts again.
 MAX_KEPT_ITEM_SPECS = 4096
 
+#: Items as host ``(t, h, w)`` triples: frames, patch rows, patch columns.
+Grid = list[tuple[int, int, int]]
 #: ``grid_thw`` as a ``(N, 3)`` integer tensor or as host ``(t, h, w)`` triples.
 GridTHW = torch.Tensor | Sequence[Sequence[int]]
 
-_CALL = inspect.Signature(
-    [
-        inspect.Parameter("pixel_patches", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("grid_thw", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-    ]
-)
+_CALL = inspect.signature(lambda pixel_patches, grid_thw: None)
 
 
 class PackedTowerConfig(Protocol):
@@ -85,7 +80,130 @@ class PackedTower(Protocol):
     def encode_global(self, pixel_patches: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor: ...
 
 
-class PackedEncoderAdapter:
+@dataclass
+class PackedInputs:
+    """One call of a packed tower; ``grid`` is ``grid_thw`` read on the host once per call."""
+
+    pixel_patches: torch.Tensor
+    grid_thw: torch.Tensor
+    grid: Grid
+
+
+Inputs = TypeVar("Inputs", bound=PackedInputs)
+
+
+class PackedLadders:
+    """Budgets (checked: else ValueError), graph config, item specs, calls and items on
+    ``paths`` of the packed and Qwen adapters (they set ``_merge_area`` and ``_patch_dim``)."""
+
+    paths: tuple[str, ...] = PATHS
+    _global_tokens = 0
+
+    def __init__(
+        self,
+        tower: object,
+        max_frames_per_item: int,
+        min_token_budget: int,
+        max_token_budget: int | None,
+    ) -> None:
+        if max_frames_per_item < 1:
+            raise ValueError(f"max_frames_per_item must be >= 1, got {max_frames_per_item}")
+        if min_token_budget < 1:
+            raise ValueError(f"min_token_budget must be >= 1, got {min_token_budget}")
+        if max_token_budget is not None and max_token_budget < min_token_budget:
+            raise ValueError(
+                f"max_token_budget ({max_token_budget}) must be None or >= "
+                f"min_token_budget ({min_token_budget})"
+            )
+        self.max_token_budget = max_token_budget or max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)
+        self.tower = tower
+        self.max_frames_per_item = max_frames_per_item
+        self.min_token_budget = min_token_budget
+        # Specs depend only on the item size (and the sizes above) and are frozen: shared.
+        self._specs_by_size: dict[tuple[int, int, int], ItemSpec] = {}
+
+    def token_budget_range(self, path: str) -> tuple[int, int]:
+        """``local``: ``(min_token_budget, max_token_budget)``."""
+        self._check_path(path)
+        return self.min_token_budget, self.max_token_budget
+
+    def min_bytes_per_token(self, path: str) -> int:
+        """Least bytes per token of a graph: its ``merge**2`` rows of patches."""
+        self._check_path(path)
+        return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
+
+    def item_specs(self, inputs: PackedInputs) -> list[ItemSpec]:
+        """Patches, tokens per path and frames of each item."""
+        specs = self._specs_by_size
+        return [specs.get(size) or self._new_item_spec(size) for size in inputs.grid]
+
+    def _new_item_spec(self, size: tuple[int, int, int]) -> ItemSpec:
+        t, h, w = size
+        tokens = {LOCAL_PATH: t * h * w // self._merge_area, GLOBAL_PATH: self._global_tokens}
+        path_tokens = {path: tokens[path] for path in self.paths}
+        spec = ItemSpec(
+            input_size=t * h * w,
+            output_tokens=sum(path_tokens.values()),
+            path_tokens=path_tokens,
+            num_frames=t,
+        )
+        if len(self._specs_by_size) >= MAX_KEPT_ITEM_SPECS:
+            self._specs_by_size.clear()
+        self._specs_by_size[size] = spec
+        return spec
+
+    def select_items(self, inputs: Inputs, indices: Sequence[int]) -> Inputs:
+        """The items at ``indices``, in that order (views when consecutive); other fields kept."""
+        offsets = [0, *itertools.accumulate(t * h * w for t, h, w in inputs.grid)]
+        consecutive = as_slice(indices)
+        if consecutive is not None:
+            start, stop = consecutive.start, consecutive.stop
+            return dataclasses.replace(
+                inputs,
+                pixel_patches=inputs.pixel_patches[offsets[start] : offsets[stop]],
+                grid_thw=inputs.grid_thw[consecutive],
+                grid=inputs.grid[consecutive],
+            )
+        pieces = [inputs.pixel_patches[offsets[i] : offsets[i + 1]] for i in indices]
+        return dataclasses.replace(
+            inputs,
+            pixel_patches=torch.cat([inputs.pixel_patches[:0], *pieces]),
+            # Not grid_thw[indices]: a list index is copied from pageable memory (a GPU wait).
+            grid_thw=select_rows(inputs.grid_thw, indices),
+            grid=[inputs.grid[i] for i in indices],
+        )
+
+    def _graph_config(
+        self, offsets: tuple[str, ...], out_hidden_size: int, paths: dict | None = None
+    ) -> EncoderGraphConfig:
+        """Images and videos on ``local`` and ``paths``; ``offsets`` buffers repeat their last."""
+        # Graphs per item count: empty cu_seqlens slots still cost flash-attention blocks.
+        local = PathConfig(self.min_token_budget, per_item_metadata=True)
+        return EncoderGraphConfig(
+            modalities=("image", "video"),
+            paths={LOCAL_PATH: local, **(paths or {})},
+            padding_rules=dict.fromkeys(offsets, "repeat_last"),
+            max_frames_per_item=self.max_frames_per_item,
+            out_hidden_size=out_hidden_size,
+        )
+
+    def _read_call(
+        self, patches: object, grid_thw: object, merge: int, patches_name: str = "pixel_patches"
+    ) -> Grid:
+        device = tower_device(self.tower)
+        return read_packed_call(patches, grid_thw, self._patch_dim, merge, device, patches_name)
+
+    def _no_rows(self, width: int, inputs: PackedInputs) -> torch.Tensor:
+        """The output rows of an empty call: none, of ``width`` columns."""
+        dtype = next(self.tower.parameters()).dtype
+        return torch.empty((0, width), dtype=dtype, device=inputs.pixel_patches.device)
+
+    def _check_path(self, path: str) -> None:
+        if path not in self.paths:
+            raise ValueError(f"unknown encoder path {path!r}; allowed: {', '.join(self.paths)}")
+
+
+class PackedEncoderAdapter(PackedLadders):
     """Graph a packed tower (a :class:`PackedTower`) on a ``local`` and a ``global`` ladder.
 
     ``max_token_budget`` None is ``max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)``. Raises
@@ -100,50 +218,26 @@ class PackedEncoderAdapter:
         min_token_budget: int = 64,
         max_token_budget: int | None = None,
     ) -> None:
-        self.max_token_budget = largest_budget(
-            max_frames_per_item, min_token_budget, max_token_budget
-        )
+        super().__init__(tower, max_frames_per_item, min_token_budget, max_token_budget)
         _check_packed_tower(tower)
-        self.tower = tower
-        self.max_frames_per_item = max_frames_per_item
-        self.min_token_budget = min_token_budget
         config = tower.config
         self._merge_area = config.spatial_merge_size**2
         self._patch_dim = config.in_channels * config.patch_size**2
         self._view_tokens = (config.global_grid // config.spatial_merge_size) ** 2
         self._global_tokens = self._view_tokens if config.global_view else 0
-        # Specs depend only on the item size (and the sizes above) and are frozen: shared.
-        self._specs_by_size: dict[tuple[int, int, int], ItemSpec] = {}
         self._metadata_pieces = getattr(tower, "host_metadata_pieces", None)
 
     def graph_config(self) -> EncoderGraphConfig:
         """Paths ``local`` and ``global``; ``global`` may be empty when the view is off."""
-        global_path = PathConfig(
-            min_token_budget=self._view_tokens, allow_zero_tokens=not self._global_tokens
-        )
-        return EncoderGraphConfig(
-            modalities=("image", "video"),
-            # Graphs per item count: empty cu_seqlens slots still cost flash-attention blocks.
-            paths={
-                LOCAL_PATH: PathConfig(self.min_token_budget, per_item_metadata=True),
-                GLOBAL_PATH: global_path,
-            },
-            padding_rules={"cu_seqlens": "repeat_last"},
-            max_frames_per_item=self.max_frames_per_item,
-            out_hidden_size=self.tower.config.out_hidden_size,
-        )
+        global_path = PathConfig(self._view_tokens)
+        out_hidden_size = self.tower.config.out_hidden_size
+        return self._graph_config(("cu_seqlens",), out_hidden_size, {GLOBAL_PATH: global_path})
 
     def token_budget_range(self, path: str) -> tuple[int, int]:
         """``local``: ``(min_token_budget, max_token_budget)``; ``global``: one view up."""
-        self._check_path(path)
-        if path == LOCAL_PATH:
-            return self.min_token_budget, self.max_token_budget
-        return self._view_tokens, max(self._view_tokens, self.max_token_budget)
-
-    def min_bytes_per_token(self, path: str) -> int:
-        """Least bytes per token of a graph: its ``merge**2`` rows of ``pixel_patches``."""
-        self._check_path(path)
-        return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
+        if path == GLOBAL_PATH:
+            return self._view_tokens, max(self._view_tokens, self.max_token_budget)
+        return super().token_budget_range(path)
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> PackedInputs:
         """Check a ``tower(pixel_patches, grid_thw)`` call and read its grid on the host."""
@@ -153,37 +247,8 @@ class PackedEncoderAdapter:
         else:
             bound = _CALL.bind(*args, **kwargs).arguments
             pixel_patches, grid_thw = bound["pixel_patches"], bound["grid_thw"]
-        grid = read_packed_call(
-            pixel_patches,
-            grid_thw,
-            self._patch_dim,
-            self.tower.config.spatial_merge_size,
-            tower_device(self.tower),
-        )
+        grid = self._read_call(pixel_patches, grid_thw, self.tower.config.spatial_merge_size)
         return PackedInputs(pixel_patches, grid_thw, grid)
-
-    def item_specs(self, inputs: PackedInputs) -> list[ItemSpec]:
-        """Patches, tokens per path and frames of each item."""
-        specs = self._specs_by_size
-        return [specs.get(size) or self._new_item_spec(size) for size in inputs.grid]
-
-    def _new_item_spec(self, size: tuple[int, int, int]) -> ItemSpec:
-        t, h, w = size
-        local = t * h * w // self._merge_area
-        spec = ItemSpec(
-            input_size=t * h * w,
-            output_tokens=local + self._global_tokens,
-            path_tokens={LOCAL_PATH: local, GLOBAL_PATH: self._global_tokens},
-            num_frames=t,
-        )
-        if len(self._specs_by_size) >= MAX_KEPT_ITEM_SPECS:
-            self._specs_by_size.clear()
-        self._specs_by_size[size] = spec
-        return spec
-
-    def select_items(self, inputs: PackedInputs, indices: Sequence[int]) -> PackedInputs:
-        """The items at ``indices``, in that order (views when consecutive)."""
-        return select_packed_items(inputs, indices)
 
     def graph_signature(self, inputs: PackedInputs) -> Hashable:
         """Patch dtype and device; resolution is what the budgets absorb."""
@@ -221,10 +286,7 @@ class PackedEncoderAdapter:
         self._check_path(path)
         patches = buffers["pixel_patches"]
         return self.tower.forward_packed(
-            patches,
-            buffers["cu_seqlens"],
-            buffers["positions"],
-            max_seqlen=patches.shape[0],
+            patches, buffers["cu_seqlens"], buffers["positions"], max_seqlen=patches.shape[0]
         )
 
     def eager_forward(self, path: str, inputs: PackedInputs) -> torch.Tensor:
@@ -238,13 +300,7 @@ class PackedEncoderAdapter:
     ) -> torch.Tensor:
         """Each item's local rows then its global rows, item after item, as the tower's forward."""
         rows = [output[path] for output in outputs for path in PATHS if path in output]
-        if rows:
-            return join_rows(rows)
-        return torch.empty(
-            (0, self.tower.config.out_hidden_size),
-            dtype=next(self.tower.parameters()).dtype,
-            device=inputs.pixel_patches.device,
-        )
+        return join_rows(rows) if rows else self._no_rows(self.tower.config.out_hidden_size, inputs)
 
     def postprocess_joined(
         self, path_rows: Mapping[str, torch.Tensor], inputs: PackedInputs
@@ -260,26 +316,6 @@ class PackedEncoderAdapter:
                 if count:
                     output[path] = item_rows
         return self.postprocess(outputs, inputs)
-
-    def _check_path(self, path: str) -> None:
-        if path not in PATHS:
-            raise ValueError(f"unknown encoder path {path!r}; allowed: {', '.join(PATHS)}")
-
-
-def largest_budget(
-    max_frames_per_item: int, min_token_budget: int, max_token_budget: int | None
-) -> int:
-    """The largest token budget of a packed adapter's arguments, checked (else ValueError)."""
-    if max_frames_per_item < 1:
-        raise ValueError(f"max_frames_per_item must be >= 1, got {max_frames_per_item}")
-    if min_token_budget < 1:
-        raise ValueError(f"min_token_budget must be >= 1, got {min_token_budget}")
-    if max_token_budget is not None and max_token_budget < min_token_budget:
-        raise ValueError(
-            f"max_token_budget ({max_token_budget}) must be None or >= "
-            f"min_token_budget ({min_token_budget})"
-        )
-    return max_token_budget or max(DEFAULT_MAX_TOKEN_BUDGET, min_token_budget)
 
 
 def _check_packed_tower(tower: object) -> None:
@@ -297,3 +333,85 @@ def _check_packed_tower(tower: object) -> None:
             f"lacks {', '.join(missing)}. Give the tower those methods and config fields, "
             "or implement lightning_cg.engine.encoder.GraphableEncoder for it."
         )
+
+
+def read_packed_call(
+    patches: object,
+    grid_thw: object,
+    patch_dim: int,
+    merge: int,
+    device: torch.device | None,
+    patches_name: str = "pixel_patches",
+) -> Grid:
+    """Check a packed call's arguments (else ValueError naming the bad one); read its grid.
+
+    ``merge`` must divide patch rows and columns; ``device`` is None for a tower without
+    parameters."""
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point():
+        raise ValueError(f"grid_thw must be an integer tensor, got {describe(grid_thw)}")
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        raise ValueError(f"grid_thw must have shape [N, 3], got {list(grid_thw.shape)}")
+    if grid_thw.is_meta:
+        raise ValueError(
+            "grid_thw is on the meta device, which holds no values: packing reads each "
+            "item's (t, h, w); pass grid_thw on the CPU or on the tower's device"
+        )
+    if not isinstance(patches, torch.Tensor) or not patches.is_floating_point():
+        raise ValueError(f"{patches_name} must be a floating-point tensor, got {describe(patches)}")
+    if device is not None and patches.device != device:
+        raise ValueError(
+            f"{patches_name} is on {patches.device}, the tower on {device}: "
+            "move the batch to the tower's device"
+        )
+    grid = [(t, h, w) for t, h, w in grid_thw.tolist()]
+    for index, (t, h, w) in enumerate(grid):
+        if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+            raise ValueError(
+                f"grid_thw[{index}] is {[t, h, w]}; frames must be >= 1 and patch rows "
+                f"and columns positive multiples of spatial_merge_size ({merge})"
+            )
+    rows = sum(t * h * w for t, h, w in grid)
+    if patches.dim() != 2 or patches.shape[1] != patch_dim:
+        raise ValueError(
+            f"{patches_name} must have shape [{rows}, {patch_dim}] (sum of t*h*w "
+            f"over grid_thw, patch width), got {list(patches.shape)}"
+        )
+    if patches.shape[0] != rows:
+        raise ValueError(
+            f"grid_thw disagrees with {patches_name}: its {len(grid)} items have {rows} "
+            f"patches (sum of t*h*w), {patches_name} has {patches.shape[0]} rows; "
+            "pass the grid_thw these patches were cut with"
+        )
+    return grid
+
+
+def tower_device(tower: object) -> torch.device | None:
+    """The device of the tower's first parameter, None when it has none (read at every call).
+
+    A stock nn.Module's is read off the module dicts: less host time than its parameters()."""
+    cls = type(tower)
+    stock = (
+        isinstance(tower, nn.Module)
+        and cls.parameters is nn.Module.parameters
+        and cls.named_parameters is nn.Module.named_parameters
+        and cls.named_modules is nn.Module.named_modules
+    )
+    parameter = _first_parameter(tower) if stock else next(tower.parameters(), None)
+    return None if parameter is None else parameter.device
+
+
+def _first_parameter(module: nn.Module) -> nn.Parameter | None:
+    for parameter in module._parameters.values():
+        if parameter is not None:
+            return parameter
+    for child in module._modules.values():
+        if child is not None and (parameter := _first_parameter(child)) is not None:
+            return parameter
+    return None
+
+
+def describe(value: object) -> str:
+    """A short description of an argument's type for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return type(value).__name__

@@ -2,13 +2,18 @@
 
 ``visual(hidden_states, grid_thw, **options)`` of Qwen2-VL, Qwen2.5-VL and Qwen3-VL(-MoE), on
 one path, ``local``: the tower's own forward with its ``grid_thw`` metadata precomputed on the
-host, attention through :data:`~lightning_cg.adapters.hf_attention.ATTENTION_NAME`.
+host by transformers' own helpers (``transformers.vision_utils``, which the towers call
+themselves, so a graph's metadata is exactly the eager forward's). The towers pass
+``cu_seqlens`` to attention only for an implementation named "flash"; others split sequences
+on the host, a sync no graph can hold: attention runs through :data:`ATTENTION_NAME`, a name
+registered with ``transformers.AttentionInterface``.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,27 +21,10 @@ import torch
 from torch import nn
 
 from lightning_cg.adapters import join_rows
-from lightning_cg.adapters.hf_attention import (
-    attention_configs,
-    packed_attention,
-    register_packed_attention,
-)
-from lightning_cg.adapters.packed import LOCAL_PATH, largest_budget
-from lightning_cg.adapters.packed_inputs import (
-    PackedInputs,
-    read_packed_call,
-    select_packed_items,
-    tower_device,
-)
-from lightning_cg.adapters.qwen_metadata import (
-    host_metadata,
-    most_windows,
-    window_metadata,
-    window_side,
-)
-from lightning_cg.adapters.row_outputs import RowLayout
-from lightning_cg.engine.budget_memory import MIN_ELEMENT_BYTES
-from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
+from lightning_cg.adapters.packed import LOCAL_PATH, Grid, PackedInputs, PackedLadders
+from lightning_cg.adapters.row_outputs import TokenLayout
+from lightning_cg.engine.attention import sequence_attention, varlen_supported
+from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig
 
 #: Vision towers this adapter serves, by class name, and what each computes.
 QWEN_TOWERS = {
@@ -64,14 +52,10 @@ MIN_OFFSET_SLOTS = 3
 #: Call options (besides ``return_dict``) that become part of the graph signature.
 Options = tuple[tuple[str, bool | int | float | str | None], ...]
 
-_CALL = inspect.Signature(
-    [
-        inspect.Parameter("hidden_states", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("grid_thw", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD),
-    ]
-)
+_CALL = inspect.signature(lambda hidden_states, grid_thw, **options: None)
 _PATCHES = "hidden_states"
+#: The attention implementation's name; "flash" in it selects the towers' cu_seqlens path.
+ATTENTION_NAME = "lightning_cg_flash_varlen"
 
 
 def qwen_tower_kind(tower: nn.Module) -> str | None:
@@ -90,8 +74,10 @@ class QwenInputs(PackedInputs):
     return_dict: bool = True
 
 
-class QwenVisionAdapter:
+class QwenVisionAdapter(PackedLadders):
     """Graph a Qwen vision tower (of :data:`QWEN_TOWERS`) on one ladder; budgets as ``packed``'s."""
+
+    paths = (LOCAL_PATH,)
 
     def __init__(
         self,
@@ -106,42 +92,35 @@ class QwenVisionAdapter:
                 f"QwenVisionAdapter serves the transformers towers {', '.join(QWEN_TOWERS)}; "
                 f"got {type(tower).__module__}.{type(tower).__qualname__}"
             )
-        self.max_token_budget = largest_budget(
-            max_frames_per_item, min_token_budget, max_token_budget
-        )
-        register_packed_attention()
-        self.tower = tower
+        super().__init__(tower, max_frames_per_item, min_token_budget, max_token_budget)
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, packed_attention_forward)
         self.kind = kind
-        self.max_frames_per_item = max_frames_per_item
-        self.min_token_budget = min_token_budget
         config = tower.config
         self.merge = config.spatial_merge_size
         self._merge_area = self.merge**2
         self._patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self._attention_configs = attention_configs(tower)
-        self._layouts: dict[Options, RowLayout] = {}
+        # The distinct configs the tower's modules read their attention implementation from.
+        configs = (getattr(module, "config", None) for module in tower.modules())
+        self._attention_configs = list(
+            {id(c): c for c in configs if hasattr(c, "_attn_implementation")}.values()
+        )
+        self._layouts: dict[Options, TokenLayout] = {}
         self._options_by_name: dict[str, Options] = {}
-        self._window_side = window_side(tower) if kind == "qwen2_5_vl" else 0
+        #: Merged tokens along one side of a Qwen2.5-VL attention window.
+        self._window_side = 0
+        if kind == "qwen2_5_vl":
+            self._window_side = tower.window_size // self.merge // tower.patch_size
+            if self._window_side < 1:
+                raise ValueError(
+                    f"window_size ({tower.window_size}) must be >= patch_size * "
+                    f"spatial_merge_size ({tower.patch_size * self.merge})"
+                )
 
     def graph_config(self) -> EncoderGraphConfig:
         """One path, ``local``, with graphs per item count (``cu_seqlens`` has a slot per frame)."""
-        return EncoderGraphConfig(
-            modalities=("image", "video"),
-            paths={LOCAL_PATH: PathConfig(self.min_token_budget, per_item_metadata=True)},
-            padding_rules={"cu_seqlens": "repeat_last", "cu_window_seqlens": "repeat_last"},
-            max_frames_per_item=self.max_frames_per_item,
-            out_hidden_size=self._layout(()).width,
-        )
-
-    def token_budget_range(self, path: str) -> tuple[int, int]:
-        """``(min_token_budget, max_token_budget)``."""
-        self._check_path(path)
-        return self.min_token_budget, self.max_token_budget
-
-    def min_bytes_per_token(self, path: str) -> int:
-        """Least bytes per token of a graph: its ``merge**2`` rows of ``hidden_states``."""
-        self._check_path(path)
-        return self._merge_area * self._patch_dim * MIN_ELEMENT_BYTES
+        return self._graph_config(("cu_seqlens", "cu_window_seqlens"), self._layout(()).width)
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> QwenInputs:
         """Check a ``visual(hidden_states, grid_thw, **options)`` call; read its grid."""
@@ -149,37 +128,23 @@ class QwenVisionAdapter:
         patches, grid_thw = bound["hidden_states"], bound["grid_thw"]
         options = dict(bound.get("options", {}))
         return_dict = options.pop("return_dict", getattr(self.tower.config, "return_dict", True))
-        grid = read_packed_call(
-            patches,
-            grid_thw,
-            self._patch_dim,
-            self.merge,
-            tower_device(self.tower),
-            patches_name=_PATCHES,
-        )
-        checked = _check_options(options)
+        grid = self._read_call(patches, grid_thw, self.merge, _PATCHES)
+        for name, value in options.items():
+            if name in METADATA_ARGUMENTS:
+                raise ValueError(
+                    f"{name} is computed from grid_thw under the CUDA graph callback; call the "
+                    "tower as visual(hidden_states, grid_thw=...) without it"
+                )
+            if value is not None and not isinstance(value, bool | int | float | str):
+                raise ValueError(
+                    f"option {name}={value!r} is not a plain value (None, bool, int, float, "
+                    "str), so no graph can be keyed by it; call the tower without it or without "
+                    "the callback"
+                )
+        checked = tuple(sorted(options.items()))
         self._layout(checked)
         self._options_by_name[_patches_name(checked)] = checked
         return QwenInputs(patches, grid_thw, grid, checked, bool(return_dict))
-
-    def item_specs(self, inputs: QwenInputs) -> list[ItemSpec]:
-        """Patches, output tokens and frames of each item."""
-        specs = []
-        for t, h, w in inputs.grid:
-            tokens = t * h * w // self._merge_area
-            specs.append(
-                ItemSpec(
-                    input_size=t * h * w,
-                    output_tokens=tokens,
-                    path_tokens={LOCAL_PATH: tokens},
-                    num_frames=t,
-                )
-            )
-        return specs
-
-    def select_items(self, inputs: QwenInputs, indices: Sequence[int]) -> QwenInputs:
-        """The items at ``indices``, in that order (views when consecutive)."""
-        return select_packed_items(inputs, indices)
 
     def graph_signature(self, inputs: QwenInputs) -> Hashable:
         """Patch dtype and device, and the call options that change the forward."""
@@ -192,10 +157,13 @@ class QwenVisionAdapter:
         self._check_path(spec.path)
         dtype, device, options = spec.signature
         rows = spec.token_budget * self._merge_area
-        metadata = host_metadata(self.tower, self.kind, [(1, self.merge, rows // self.merge)])
+        metadata = _host_metadata(self.tower, self.kind, [(1, self.merge, rows // self.merge)])
         slots = {"cu_seqlens": spec.max_frames + 1}
         if self.kind == "qwen2_5_vl":
-            windows = most_windows(spec.token_budget, spec.max_frames, self._window_side)
+            # The most non-empty windows: a frame of h x w tokens has ceil(h/side) *
+            # ceil(w/side), at most h*w / side + 1 (as h + w <= h*w + 1), each with a token.
+            budget = spec.token_budget
+            windows = min(budget, -(-budget // self._window_side) + spec.max_frames)
             slots["cu_window_seqlens"] = windows + 1
         for name, size in slots.items():
             offsets = metadata[name]
@@ -210,7 +178,7 @@ class QwenVisionAdapter:
         self._check_path(path)
         return {
             _patches_name(inputs.options): inputs.pixel_patches,
-            **host_metadata(self.tower, self.kind, inputs.grid),
+            **_host_metadata(self.tower, self.kind, inputs.grid),
         }
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -219,18 +187,20 @@ class QwenVisionAdapter:
         name, patches = next((n, b) for n, b in buffers.items() if n.startswith(_PATCHES))
         options = self._options_by_name[name]
         rows = patches.shape[0]
-        metadata = {
-            "cu_seqlens": buffers["cu_seqlens"],
-            "position_ids": buffers["position_ids"],
-            # Every frame fits in all rows.
-            "max_seqlen": rows,
-        }
+        metadata = {name: buffers[name] for name in ("cu_seqlens", "position_ids")}
+        metadata["max_seqlen"] = rows  # Every frame fits in all rows.
         if self.kind == "qwen2_5_vl":
-            metadata.update(window_metadata(buffers, self._merge_area, self._window_side))
+            # The tower undoes the window order with argsort(window_index); zeros in the
+            # padding would tie with real tokens, so padding tokens map to themselves.
+            window_index = buffers["window_index"]
+            positions = torch.arange(window_index.shape[0], device=window_index.device)
+            real_tokens = buffers["cu_seqlens"][-1] // self._merge_area
+            metadata["window_index"] = torch.where(positions < real_tokens, window_index, positions)
+            metadata["cu_window_seqlens"] = buffers["cu_window_seqlens"]
+            metadata["max_window_seqlen"] = self._window_side**2 * self._merge_area
         if self.kind == "qwen3_vl":
-            metadata["interp_indices"] = buffers["interp_indices"]
-            metadata["interp_weights"] = buffers["interp_weights"]
-        with packed_attention(self._attention_configs):
+            metadata.update({name: buffers[name] for name in ("interp_indices", "interp_weights")})
+        with _packed_attention(self._attention_configs):
             output = self._forward(patches, None, options, metadata)
         return self._layout(options).to_rows(output, rows // self._merge_area)
 
@@ -251,12 +221,10 @@ class QwenVisionAdapter:
     def postprocess(self, outputs: list[dict[str, torch.Tensor]], inputs: QwenInputs) -> Any:
         """The tower's output (``ModelOutput``, or its tuple) of all items in order."""
         rows = [output[LOCAL_PATH] for output in outputs if LOCAL_PATH in output]
-        if rows:
-            return self.postprocess_joined({LOCAL_PATH: join_rows(rows)}, inputs)
-        width = self._layout(inputs.options).width
-        dtype = next(self.tower.parameters()).dtype
-        empty = torch.empty((0, width), dtype=dtype, device=inputs.pixel_patches.device)
-        return self.postprocess_joined({LOCAL_PATH: empty}, inputs)
+        joined = (
+            join_rows(rows) if rows else self._no_rows(self._layout(inputs.options).width, inputs)
+        )
+        return self.postprocess_joined({LOCAL_PATH: joined}, inputs)
 
     def postprocess_joined(self, path_rows: Mapping[str, torch.Tensor], inputs: QwenInputs) -> Any:
         """The tower's output from the layout rows of every item in order."""
@@ -276,10 +244,9 @@ class QwenVisionAdapter:
             self.tower, patches, grid_thw=grid_thw, return_dict=True, **dict(options), **metadata
         )
 
-    def _layout(self, options: Options) -> RowLayout:
+    def _layout(self, options: Options) -> TokenLayout:
         """The row layout of the output under ``options``, read once off a one-token item."""
-        layout = self._layouts.get(options)
-        if layout is None:
+        if options not in self._layouts:
             parameter = next(self.tower.parameters())
             patches = torch.zeros(
                 self._merge_area, self._patch_dim, dtype=parameter.dtype, device=parameter.device
@@ -287,31 +254,86 @@ class QwenVisionAdapter:
             grid_thw = torch.tensor([[1, self.merge, self.merge]], device=parameter.device)
             with torch.no_grad():
                 output = self._forward(patches, grid_thw, options, {})
-            layout = RowLayout.of(output, tokens=1, merge_area=self._merge_area)
-            self._layouts[options] = layout
-        return layout
-
-    def _check_path(self, path: str) -> None:
-        if path != LOCAL_PATH:
-            raise ValueError(f"unknown encoder path {path!r}; allowed: {LOCAL_PATH}")
-
-
-def _check_options(options: dict[str, Any]) -> Options:
-    for name, value in options.items():
-        if name in METADATA_ARGUMENTS:
-            raise ValueError(
-                f"{name} is computed from grid_thw under the CUDA graph callback; call the "
-                "tower as visual(hidden_states, grid_thw=...) without it"
-            )
-        if value is not None and not isinstance(value, bool | int | float | str):
-            raise ValueError(
-                f"option {name}={value!r} is not a plain value (None, bool, int, float, str), "
-                "so no graph can be keyed by it; call the tower without it or without the callback"
-            )
-    return tuple(sorted(options.items()))
+            self._layouts[options] = TokenLayout.of(output, tokens=1, merge_area=self._merge_area)
+        return self._layouts[options]
 
 
 def _patches_name(options: Options) -> str:
     """The patches buffer's name under ``options``: names survive every way buffers reach
     :meth:`QwenVisionAdapter.graph_forward`, so it tells which options a graph serves."""
     return _PATCHES + "".join(f"|{name}={value!r}" for name, value in options)
+
+
+def _host_metadata(tower: nn.Module, kind: str, grid: Grid) -> dict[str, torch.Tensor]:
+    """The keyword metadata ``tower`` (of ``kind``) computes from ``grid``: ``cu_seqlens``,
+    ``position_ids``, and Qwen2.5-VL's window or Qwen3-VL's interpolation tensors."""
+    from transformers import vision_utils
+
+    grid_thw = torch.tensor(grid, dtype=torch.long).reshape(-1, 3)
+    merge = tower.config.spatial_merge_size
+    metadata = {
+        "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid_thw),
+        "position_ids": vision_utils.get_vision_position_ids(grid_thw, merge),
+    }
+    if kind == "qwen2_5_vl":
+        metadata["window_index"], metadata["cu_window_seqlens"] = (
+            vision_utils.get_vision_window_index(
+                grid_thw, merge, tower.window_size, tower.patch_size
+            )
+        )
+    if kind == "qwen3_vl":
+        interpolation = vision_utils.get_vision_interpolation_indices_and_weights(
+            grid_thw,
+            num_grid_per_side=tower.num_grid_per_side,
+            mode=tower.interpolation_mode,
+            align_corners=tower.interpolation_align_corners,
+            spatial_merge_size=merge,
+        )
+        metadata["interp_indices"], metadata["interp_weights"] = interpolation
+    return metadata
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention within each sequence of ``cu_seq_lens_q`` (keys share them), for transformers.
+
+    ``query``, ``key``, ``value``: ``(1, heads, rows, head_dim)``; returns
+    ``(1, rows, heads, head_dim)`` and no weights. ``max_length_q`` bounds the longest sequence.
+    """
+    if cu_seq_lens_q is None or max_length_q is None:
+        raise ValueError(
+            f"attention implementation {ATTENTION_NAME!r} needs cu_seq_lens_q and max_length_q "
+            f"from the tower; {type(module).__name__} passed none: it does not pack sequences"
+        )
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (T, H, hd)
+    head_dim = q.shape[-1]
+    scale = None if scaling is None or scaling == head_dim**-0.5 else scaling
+    use_varlen = varlen_supported(q.dtype, q.device, head_dim)
+    attend = sequence_attention(cu_seq_lens_q, q.shape[0], max_length_q, use_varlen, scale)
+    return attend(q, k, v).unsqueeze(0), None
+
+
+@contextmanager
+def _packed_attention(configs: list[object]) -> Iterator[None]:
+    """Run attention through :data:`ATTENTION_NAME` inside the block, then restore ``configs``.
+
+    Set directly: ``set_attn_implementation`` would look the unknown name up on the Hub.
+    """
+    previous = [(config, config._attn_implementation) for config in configs]
+    try:
+        for config, _ in previous:
+            config._attn_implementation = ATTENTION_NAME
+        yield
+    finally:
+        for config, implementation in previous:
+            config._attn_implementation = implementation

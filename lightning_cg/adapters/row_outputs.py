@@ -1,19 +1,30 @@
-"""A packed tower's ``ModelOutput`` as one ``(tokens, width)`` tensor, and back.
+"""Tower outputs as one row tensor, and back: the manager splits and joins its rows per item.
 
-The manager splits and joins one tensor's rows per item. A Qwen tower's output holds
-merged tokens (one row per output token) and patch-level states (``merge**2`` rows per
-token); :class:`RowLayout` lays them side by side, a token's patch rows in one row.
+:class:`TokenLayout`: a Qwen tower's merged tokens and patch-level states (``merge**2`` rows
+per token) side by side. :class:`TreeLayout`: every tensor of a batch-first tower's pytree
+output (transformers registers every ``ModelOutput``; None fields stay None), per batch row.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_unflatten,
+)
 
-CONTAINERS = ("tensor", "tuple", "list")
+#: Each container a field may be, and how to build it from the field's tensors.
+_CONTAINERS = {"tensor": lambda tensors: tensors[0], "tuple": tuple, "list": list}
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,7 @@ class RowField:
 
 
 @dataclass(frozen=True)
-class RowLayout:
+class TokenLayout:
     """Where each set field of a tower's output lies in a token's row, in the output's order."""
 
     output_type: type
@@ -46,13 +57,13 @@ class RowLayout:
         return sum(field.row_width for field in self.fields)
 
     @classmethod
-    def of(cls, output: Mapping[str, Any], tokens: int, merge_area: int) -> RowLayout:
+    def of(cls, output: Mapping[str, Any], tokens: int, merge_area: int) -> TokenLayout:
         """The layout of ``output`` for ``tokens`` tokens; ValueError for a field it can't split."""
         fields = []
         for name, value in output.items():
             container = "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
             tensors = [value] if container == "tensor" else value
-            if container not in CONTAINERS or not tensors:
+            if container not in _CONTAINERS or not tensors:
                 raise ValueError(_unsplittable(name, f"a {container}"))
             rows = {tensor.shape[0] for tensor in tensors if tensor.dim() == 2}
             widths = {tensor.shape[1] for tensor in tensors if tensor.dim() == 2}
@@ -77,18 +88,12 @@ class RowLayout:
         tokens = rows.shape[0]
         # Set field by field, so the fields keep the tower's order (and to_tuple()'s).
         output = self.output_type()
-        start = 0
+        sizes = [f.rows_per_token * f.width for f in self.fields for _ in range(f.count)]
+        blocks = iter(rows.split(sizes, dim=1))
         for field in self.fields:
-            tensors = []
-            for _ in range(field.count):
-                stop = start + field.rows_per_token * field.width
-                block = rows[:, start:stop].reshape(tokens * field.rows_per_token, field.width)
-                tensors.append(block.contiguous())
-                start = stop
-            if field.container == "tensor":
-                output[field.name] = tensors[0]
-            else:
-                output[field.name] = tuple(tensors) if field.container == "tuple" else tensors
+            shape = (tokens * field.rows_per_token, field.width)
+            tensors = [next(blocks).reshape(shape).contiguous() for _ in range(field.count)]
+            output[field.name] = _CONTAINERS[field.container](tensors)
         return output
 
 
@@ -98,3 +103,76 @@ def _unsplittable(name: str, what: str) -> str:
         "output token or per patch, so it cannot be split per item; call the tower "
         "without the option that asks for it, or without the callback"
     )
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """One tensor of a structured output: its shape after the batch dimension and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:
+        """Columns the field takes in a row."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """Where each field of a structured output lies in a row tensor; None leaves take no columns."""
+
+    treespec: TreeSpec
+    fields: tuple[FieldLayout | None, ...]
+
+    @classmethod
+    def of(cls, output: Any, batch_size: int) -> TreeLayout:
+        """The layout of ``output``, tensors of ``batch_size`` rows; TypeError naming a field that
+        is neither None nor a batch-first tensor, or when there is no tensor."""
+        try:
+            with_paths, treespec = tree_flatten_with_path(output)
+            names = [keystr(path) or "the output" for path, _ in with_paths]
+            leaves = [leaf for _, leaf in with_paths]
+        except ValueError:  # A node type without keys: fields named by position.
+            leaves, treespec = tree_flatten(output)
+            names = [f"field {index} of the output" for index in range(len(leaves))]
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise TypeError(f"the output {type(output).__name__} holds no tensors")
+        fields = []
+        for field, leaf in zip(names, leaves, strict=True):
+            if leaf is None:
+                fields.append(None)
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{field} is a {type(leaf).__name__}; only tensors with the items as "
+                    "rows of dim 0 can be split per item"
+                )
+            if leaf.dim() == 0 or leaf.shape[0] != batch_size:
+                raise TypeError(
+                    f"{field} has shape {list(leaf.shape)} for a batch of {batch_size} items; "
+                    "only outputs with the items as rows of dim 0 can be split per item"
+                )
+            fields.append(FieldLayout(tuple(leaf.shape[1:]), leaf.dtype))
+        return cls(treespec, tuple(fields))
+
+    def unflatten(self, rows: torch.Tensor) -> Any:
+        """The output of the items whose rows are ``rows [N, W]``, fields contiguous."""
+        count = rows.shape[0]
+        tensors = [field for field in self.fields if field is not None]
+        columns = iter(rows.split([field.width for field in tensors], dim=1))
+        leaves = [
+            None
+            if field is None
+            else next(columns).reshape(count, *field.shape).to(field.dtype).contiguous()
+            for field in self.fields
+        ]
+        return tree_unflatten(leaves, self.treespec)
+
+
+def output_rows(output: Any, batch_size: int) -> torch.Tensor:
+    """Every tensor of ``output`` flattened per item into ``[batch_size, W]``, no host syncs."""
+    leaves = [leaf for leaf in tree_leaves(output) if leaf is not None]
+    dtype = functools.reduce(torch.promote_types, (leaf.dtype for leaf in leaves))
+    flat = [leaf.reshape(batch_size, -1).to(dtype) for leaf in leaves]
+    return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)

@@ -6,7 +6,6 @@ on the built tower, before the Trainer (its sizes, and the graph plan by buildin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -72,23 +71,25 @@ def check_config(cfg: DictConfig) -> CUDAGraphCallback:
     ):
         raise ValueError(f"passes must be a positive integer or null (auto); got passes={passes}")
     callback = instantiate(cfg.cudagraph)
-    _check_batch_kind(cfg)
-    _check_shared_sizes(cfg)
+    if "input" in cfg.model:  # else a model of the user's own: nothing to compare
+        _check_batch_kind(cfg)
+        _check_shared_sizes(cfg)
     return callback
 
 
-def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) -> None:
-    """Refuse a built tower the data or the graph options cannot serve (ValueError)."""
+def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) -> nn.Module:
+    """Refuse a built tower the data or the graph options cannot serve (ValueError); return it."""
     tower = resolve_module(model, callback.module)
     if "input" in cfg.model and _tower_kind(cfg) == PACKED:
         _check_tower_sizes(cfg, getattr(tower, "config", None))
-    if "input" in cfg.model and _tower_kind(cfg) == BATCH_FIRST:
+    elif "input" in cfg.model:
         _check_tower_side(cfg, tower)
     try:
         adapter = adapter_for(tower, callback.adapter)
     except ValueError as error:
         raise ValueError(f"cudagraph.module={callback.module!r}: {error}") from None
     EncoderGraphManager(adapter, callback.config)
+    return tower
 
 
 def _check_tower_side(cfg: DictConfig, tower: nn.Module) -> None:
@@ -113,8 +114,8 @@ def _data_kind(data: DictConfig, option: str) -> str:
 
 def _check_batch_kind(cfg: DictConfig) -> None:
     option = DATA_OPTIONS.get(cfg.data.get("_target_"))
-    if option is None or "input" not in cfg.model:
-        return  # a data module or model of the user's own: nothing to compare
+    if option is None:
+        return  # a data module of the user's own: nothing to compare
     wanted, served = _tower_kind(cfg), _data_kind(cfg.data, option)
     if wanted == served:
         return
@@ -126,17 +127,17 @@ def _check_batch_kind(cfg: DictConfig) -> None:
     serves = {PACKED: "packed batches", BATCH_FIRST: "batch-first images"}
     photos = {PACKED: "data.fixed_size=null", BATCH_FIRST: "data.fixed_size=model.input.image_size"}
     fits = [name for name, kinds in DATA_KINDS.items() if wanted in kinds]
+    if HydraConfig.initialized():
+        option = HydraConfig.get().runtime.choices.get("data", option)
     raise ValueError(
-        f"model={_model_name(cfg)} takes {takes[wanted]}, but data={_data_name(cfg, option)} "
+        f"model={_model_name(cfg)} takes {takes[wanted]}, but data={option} "
         f"serves {serves[served]}; data options that fit: {', '.join(fits)} "
         f"(photos with {photos[wanted]})"
     )
 
 
 def _check_shared_sizes(cfg: DictConfig) -> None:
-    data, model_input = cfg.data, cfg.model.get("input")
-    if not isinstance(model_input, Mapping):
-        return
+    data, model_input = cfg.data, cfg.model.input
     sizes = PACKED_SIZES if _tower_kind(cfg) == PACKED else BATCH_FIRST_SIZES
     for data_key, (input_key, default) in sizes.items():
         expected = model_input.get(input_key, default)
@@ -166,9 +167,3 @@ def _model_name(cfg: DictConfig) -> str:
         return HydraConfig.get().runtime.choices.get("model", "?")
     tower: Any = OmegaConf.select(cfg, "model.module.vision_tower", default={})
     return tower.get("name") or str(tower.get("_target_", "?")).rsplit(".", 1)[-1]
-
-
-def _data_name(cfg: DictConfig, option: str) -> str:
-    if HydraConfig.initialized():
-        return HydraConfig.get().runtime.choices.get("data", option)
-    return option

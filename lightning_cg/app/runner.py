@@ -15,21 +15,14 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from torch import nn
 
 # Also registers the apps' config schema with Hydra.
 from lightning_cg.app.preflight import check_config, check_tower
-from lightning_cg.callback.checks import resolve_module
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
 
 STAGES = ("predict", "validate", "test", "fit")
-#: The Trainer's batch limit of each stage the apps time passes of.
-_BATCH_LIMITS = {
-    "predict": "limit_predict_batches",
-    "validate": "limit_val_batches",
-    "test": "limit_test_batches",
-}
 #: Passes over the data on a GPU when ``passes`` is null: enough for the steady state.
 GPU_PASSES = 5
 #: Passes the report shows one by one; more are summed up after the second.
@@ -74,8 +67,6 @@ class TowerClock:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.seconds = 0.0
-        self._started = 0.0
-        self._handles: list = []
 
     def __enter__(self) -> TowerClock:
         self._handles = [
@@ -87,13 +78,12 @@ class TowerClock:
     def __exit__(self, *exc_info: object) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
 
-    def _start(self, module: nn.Module, args: tuple) -> None:
+    def _start(self, *hook_args: object) -> None:
         _synchronize()
         self._started = time.perf_counter()
 
-    def _stop(self, module: nn.Module, args: tuple, output: object) -> None:
+    def _stop(self, *hook_args: object) -> None:
         _synchronize()
         self.seconds += time.perf_counter() - self._started
 
@@ -125,66 +115,43 @@ def run(cfg: DictConfig, stage: str) -> RunReport:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
     checked_callback = check_config(cfg)
     model, datamodule = build(cfg)
-    check_tower(cfg, model, checked_callback)
+    tower = check_tower(cfg, model, checked_callback)
     trainer, callback = make_trainer(cfg)
-    on_gpu = trainer.strategy.root_device.type == "cuda"
-    passes = cfg.get("passes", 1)  # checked by check_config
-    if passes is None:
-        passes = GPU_PASSES if on_gpu else 1
-    passes = 1 if stage == "fit" else passes
-    tower = resolve_module(model, cfg.cudagraph.module)
-    if on_gpu and stage != "fit":
-        _warm_up(cfg, stage, model, datamodule)
-    pass_reports, outputs = _run_passes(trainer, stage, model, datamodule, tower, passes, callback)
+    on_gpu, evaluating = trainer.strategy.root_device.type == "cuda", stage != "fit"
+    # passes (null: auto) and compare_eager are checked by check_config.
+    passes = (cfg.get("passes", 1) or (GPU_PASSES if on_gpu else 1)) if evaluating else 1
+    if on_gpu and evaluating:
+        # One untimed eager batch, so that neither method's first pass pays for the GPU's start.
+        limit = "limit_val_batches" if stage == "validate" else f"limit_{stage}_batches"
+        _timed(instantiate(cfg.trainer, callbacks=[], **{limit: 1}), stage, model, datamodule)
+
+    def run_passes(trainer: pl.Trainer, callback: CUDAGraphCallback | None = None) -> tuple:
+        """Each pass's report, every pass's outputs, and the wall seconds of all passes."""
+        reports, outputs = [], []
+        with TowerClock(tower) as clock:
+            for _ in range(passes):
+                clock.seconds = 0.0
+                seconds, pass_outputs = _timed(trainer, stage, model, datamodule)
+                stats = dict(callback.last_stats) if callback else {}
+                reports.append(PassReport(clock.seconds, seconds, stats))
+                outputs += pass_outputs or []
+        return reports, outputs, sum(report.wall_seconds for report in reports)
+
+    pass_reports, outputs, seconds = run_passes(trainer, callback)
     report = RunReport(
         stage,
-        _wall_seconds(pass_reports),
+        seconds,
         dict(callback.last_stats),
         outputs,
         device=str(trainer.strategy.root_device),
         passes=pass_reports,
     )
     compare_eager = cfg.get("compare_eager")
-    if (on_gpu if compare_eager is None else compare_eager) and stage != "fit":
+    if (on_gpu if compare_eager is None else compare_eager) and evaluating:
         eager_trainer, _ = make_trainer(cfg, with_callback=False)
-        report.eager_passes, eager_outputs = _run_passes(
-            eager_trainer, stage, model, datamodule, tower, passes
-        )
-        report.eager_seconds = _wall_seconds(report.eager_passes)
+        report.eager_passes, eager_outputs, report.eager_seconds = run_passes(eager_trainer)
         report.max_abs_difference = _max_abs_difference(outputs, eager_outputs)
     return report
-
-
-def _warm_up(
-    cfg: DictConfig, stage: str, model: pl.LightningModule, datamodule: pl.LightningDataModule
-) -> None:
-    """One untimed eager batch, so that neither method's first pass pays for the GPU's start."""
-    limit = _BATCH_LIMITS[stage]
-    _timed(instantiate(cfg.trainer, callbacks=[], **{limit: 1}), stage, model, datamodule)
-
-
-def _wall_seconds(passes: list[PassReport]) -> float:
-    return sum(report.wall_seconds for report in passes)
-
-
-def _run_passes(
-    trainer: pl.Trainer,
-    stage: str,
-    model: pl.LightningModule,
-    datamodule: pl.LightningDataModule,
-    tower: nn.Module,
-    passes: int,
-    callback: CUDAGraphCallback | None = None,
-) -> tuple[list[PassReport], list]:
-    reports, outputs = [], []
-    with TowerClock(tower) as clock:
-        for _ in range(passes):
-            clock.seconds = 0.0
-            seconds, pass_outputs = _timed(trainer, stage, model, datamodule)
-            stats = dict(callback.last_stats) if callback else {}
-            reports.append(PassReport(clock.seconds, seconds, stats))
-            outputs += pass_outputs or []
-    return reports, outputs
 
 
 def _timed(trainer: pl.Trainer, stage: str, model, datamodule) -> tuple[float, list | None]:
@@ -226,7 +193,12 @@ def print_report(report: RunReport, console: Console | None = None) -> None:
     if report.stage != "fit" and (len(report.passes) > 1 or report.eager_passes is not None):
         console.print(_pass_table(report))
     if on_gpu:
-        console.print(_capture_line(report.passes))
+        graphs = [int(times.stats["graphs_captured"]) for times in report.passes]
+        seconds = sum(times.stats["capture_seconds_run"] for times in report.passes)
+        console.print(
+            f"capture: {sum(graphs)} graphs in {seconds:.2f} s (graphs per pass: "
+            f"{', '.join(map(str, graphs))}); the tower seconds above include it"
+        )
     else:
         console.print(
             "The tower ran on the CPU: CUDA graphs need a CUDA device, so the callback ran "
@@ -238,16 +210,10 @@ def _run_table(report: RunReport, on_gpu: bool) -> Table:
     stats, count = report.stats, len(report.passes)
     images = int(stats.get("items", 0))
     title = f"lightning-cg {report.stage}" + (f", pass {count} of {count}" if count > 1 else "")
-    rows = [
-        ("images", f"{images}"),
-        ("tokens", f"{int(stats.get('tokens', 0))}"),
-        ("sub-batches", f"{int(stats.get('sub_batches', 0))}"),
-    ]
+    counts = {"images": "items", "tokens": "tokens", "sub-batches": "sub_batches"}
     if on_gpu:
-        rows += [
-            ("graph replays", f"{int(stats.get('hits', 0))}"),
-            ("eager runs", f"{int(stats.get('misses', 0))}"),
-        ]
+        counts |= {"graph replays": "hits", "eager runs": "misses"}
+    rows = [(name, f"{int(stats.get(key, 0))}") for name, key in counts.items()]
     rows.append(("padding waste", f"{stats.get('padding_waste', 0.0):.1%}"))
     if report.stage != "fit" and images:
         tower_ms = 1000 * report.passes[-1].tower_seconds / images
@@ -258,49 +224,29 @@ def _run_table(report: RunReport, on_gpu: bool) -> Table:
             ("eager wall seconds", f"{report.eager_seconds:.2f}"),
             ("largest |callback - eager|", f"{report.max_abs_difference:.3e}"),
         ]
-    table = Table(title=title)
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for name, value in rows:
-        table.add_row(name, value)
+    table = Table("measure", Column("value", justify="right"), title=title)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
 def _pass_table(report: RunReport) -> Table:
-    table = Table(title="tower seconds per pass")
-    table.add_column("pass")
-    columns = [("lightning-cg", report.passes)]
-    if report.eager_passes is not None:
-        columns.insert(0, ("eager", report.eager_passes))
-    for name, _ in columns:
-        table.add_column(name, justify="right")
-    if report.eager_passes is not None:
-        table.add_column("vs eager", justify="right")
-    for label, passes in _pass_groups(len(report.passes)):
-        seconds = [_mean_tower_seconds(reports[passes]) for _, reports in columns]
+    """Tower seconds of every pass (or of passes 1, 2 and the mean of the rest), against eager."""
+    eager, count = report.eager_passes, len(report.passes)
+    columns = {} if eager is None else {"eager": eager}
+    columns["lightning-cg"] = report.passes
+    headers = [*columns] + ([] if eager is None else ["vs eager"])
+    table = Table(
+        "pass", *(Column(name, justify="right") for name in headers), title="tower seconds per pass"
+    )
+    groups = [(f"{index + 1}", slice(index, index + 1)) for index in range(count)]
+    if count > PASS_ROWS:
+        groups = [("1", slice(0, 1)), ("2", slice(1, 2)), (f"3-{count}, mean", slice(2, count))]
+    for label, rows in groups:
+        chosen = [passes[rows] for passes in columns.values()]
+        seconds = [sum(times.tower_seconds for times in group) / len(group) for group in chosen]
         cells = [f"{value:.3f}" for value in seconds]
-        if report.eager_passes is not None:
+        if eager is not None:
             cells.append(f"{seconds[0] / seconds[1]:.2f}x" if seconds[1] else "-")
         table.add_row(label, *cells)
     return table
-
-
-def _pass_groups(count: int) -> list[tuple[str, slice]]:
-    """Rows of the pass table: every pass, or passes 1, 2 and the mean of the rest."""
-    if count <= PASS_ROWS:
-        return [(f"{index + 1}", slice(index, index + 1)) for index in range(count)]
-    return [("1", slice(0, 1)), ("2", slice(1, 2)), (f"3-{count}, mean", slice(2, count))]
-
-
-def _mean_tower_seconds(passes: list[PassReport]) -> float:
-    return sum(report.tower_seconds for report in passes) / len(passes)
-
-
-def _capture_line(passes: list[PassReport]) -> str:
-    graphs = [int(report.stats["graphs_captured"]) for report in passes]
-    seconds = sum(report.stats["capture_seconds_run"] for report in passes)
-    per_pass = ", ".join(str(count) for count in graphs)
-    return (
-        f"capture: {sum(graphs)} graphs in {seconds:.2f} s (graphs per pass: {per_pass}); "
-        "the tower seconds above include it"
-    )

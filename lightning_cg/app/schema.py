@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from lightning_cg.callback.checks import STAGES
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
@@ -46,31 +46,22 @@ def _node_type(annotation: Any) -> Any:
     return annotation
 
 
-def _node_default(config_field: dataclasses.Field) -> dataclasses.Field:
-    if config_field.default_factory is not dataclasses.MISSING:
-        made = config_field.default_factory()
-        if isinstance(made, BudgetConfig):
-            return field(default_factory=BudgetsSchema)
-        return field(default_factory=type(made))
-    default = config_field.default
-    if isinstance(default, enum.Enum):
-        return field(default=default.value)
-    if isinstance(default, tuple):
-        # A tuple default (splitting_ops) is the callback's None.
-        return field(default=None)
-    return field(default=default)
-
-
 def _schema_fields(config_class: type, skip: Sequence[str] = ()) -> list[tuple]:
+    """``(name, type, field)`` of each field of a config class, for ``make_dataclass``."""
     hints = typing.get_type_hints(config_class)
     fields = []
     for config_field in dataclasses.fields(config_class):
-        if config_field.name in skip:
-            continue
-        node_type = _node_type(hints[config_field.name])
-        if isinstance(config_field.default, tuple):
-            node_type = node_type | None
-        fields.append((config_field.name, node_type, _node_default(config_field)))
+        node_type, default = _node_type(hints[config_field.name]), config_field.default
+        if config_field.default_factory is not dataclasses.MISSING:
+            made = type(config_field.default_factory())
+            node = field(default_factory=BudgetsSchema if made is BudgetConfig else made)
+        elif isinstance(default, tuple):
+            # A tuple default (splitting_ops) is the callback's None.
+            node_type, node = node_type | None, field(default=None)
+        else:
+            node = field(default=default.value if isinstance(default, enum.Enum) else default)
+        if config_field.name not in skip:
+            fields.append((config_field.name, node_type, node))
     return fields
 
 
@@ -118,12 +109,8 @@ class AppSchema:
     compare_eager: Any = None
 
 
-def _app_node() -> DictConfig:
-    """The schema, with ``cudagraph.paths`` open to new path names (each entry is still
-    checked against the tower's paths and the budget choice's keys)."""
-    node = OmegaConf.structured(AppSchema)
-    OmegaConf.set_struct(node.cudagraph.paths, False)
-    return node
-
-
-ConfigStore.instance().store(name=APP_SCHEMA, node=_app_node())
+_APP_NODE = OmegaConf.structured(AppSchema)
+# cudagraph.paths is open to new path names; each entry is still checked against the
+# tower's paths and the budget choice's keys.
+OmegaConf.set_struct(_APP_NODE.cudagraph.paths, False)
+ConfigStore.instance().store(name=APP_SCHEMA, node=_APP_NODE)

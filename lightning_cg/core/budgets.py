@@ -1,8 +1,7 @@
 """Token budgets: the sizes a vision tower's CUDA graphs are captured at.
 
 A sub-batch runs in the smallest graph its tokens fit; the rest is padding. ``pow2`` is
-cheap to capture; ``geometric`` bounds padding to about ``ratio - 1`` with more graphs;
-``auto`` (:mod:`lightning_cg.core.learned_budgets`) fits K budgets to real batches.
+cheap to capture; ``geometric`` bounds padding to about ``ratio - 1`` with more graphs.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from collections.abc import Sequence
 
 #: Budget ladder shapes accepted by :func:`generate_budgets`.
 LADDERS = ("pow2", "geometric")
-#: The ladder learned from a sample of item sizes (:mod:`lightning_cg.core.learned_budgets`).
-AUTO_LADDER = "auto"
 
 
 def is_positive_int(value: object) -> bool:

@@ -18,11 +18,8 @@ from torch import nn
 from torch.fx.experimental import _config as symbolic_shapes_config
 from torch.utils._pytree import tree_map_only
 
-#: ``compile_scope`` values (see :func:`blocks_to_compile`).
-COMPILE_SCOPES = ("auto", "blocks", "whole")
-
-#: Share of the tower's weights its repeated blocks must hold for ``auto`` to compile
-#: only them: below it, too much of the tower would stay unfused.
+#: Share of the tower's weights its repeated blocks must hold to be compiled alone:
+#: below it, too much of the tower would stay unfused.
 MIN_BLOCK_WEIGHT_SHARE = 0.5
 
 
@@ -67,26 +64,15 @@ def weight_share(blocks: list[nn.Module], tower: nn.Module) -> float:
     return held / total
 
 
-def blocks_to_compile(tower: nn.Module | None, scope: str, dynamic_shapes: bool) -> list[nn.Module]:
-    """The blocks regional compilation compiles for ``scope``; empty: compile the whole forward.
+def blocks_to_compile(tower: nn.Module | None, dynamic_shapes: bool) -> list[nn.Module]:
+    """The blocks regional compilation compiles; empty: compile the whole forward.
 
-    ``whole``: always whole. ``blocks``: the repeated blocks, which must exist. ``auto``:
-    with dynamic shapes, the blocks if they hold most weights; static-shape compiles
-    (batch-first towers, seconds per budget) stay whole.
+    With dynamic shapes, the repeated blocks if they hold most weights; static-shape
+    compiles (batch-first towers, seconds per budget) stay whole.
     """
-    if scope not in COMPILE_SCOPES:
-        allowed = ", ".join(COMPILE_SCOPES)
-        raise ValueError(f"compile_scope must be one of {allowed} (got {scope!r})")
-    if scope == "whole" or (scope == "auto" and not dynamic_shapes):
+    if not dynamic_shapes or not isinstance(tower, nn.Module):
         return []
-    blocks = repeated_blocks(tower) if isinstance(tower, nn.Module) else []
-    if scope == "blocks":
-        if not blocks:
-            raise ValueError(
-                f"compile_scope='blocks': {type(tower).__name__} has no ModuleList or "
-                "Sequential of two or more blocks of one class; use compile_scope='whole' or 'auto'"
-            )
-        return blocks
+    blocks = repeated_blocks(tower)
     if blocks and weight_share(blocks, tower) >= MIN_BLOCK_WEIGHT_SHARE:
         return blocks
     return []

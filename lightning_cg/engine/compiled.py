@@ -44,7 +44,7 @@ def compiled_encoder_for(encoder: GraphableEncoder, config: GraphConfig) -> Comp
     """The compiling wrapper around ``encoder`` for ``config.compile`` True, else None."""
     if config.compile is not True:
         return None
-    return CompiledEncoder(encoder, scope=config.compile_scope)
+    return CompiledEncoder(encoder)
 
 
 class CompiledEncoder:
@@ -56,7 +56,6 @@ class CompiledEncoder:
     Args:
         backend: the ``torch.compile`` backend (``eager`` / ``aot_eager`` only trace, for tests).
         on_compile: called with the seconds of each graph forward that may compile.
-        scope: a :data:`~lightning_cg.engine.compile_regions.COMPILE_SCOPES` value.
         on_give_up: called once compiling is given up (:meth:`give_up`).
 
     Example:
@@ -69,7 +68,6 @@ class CompiledEncoder:
         encoder: GraphableEncoder,
         backend: str | Callable = "inductor",
         on_compile: Callable[[float], None] | None = None,
-        scope: str = "auto",
         on_give_up: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
@@ -89,7 +87,7 @@ class CompiledEncoder:
             backend=backend,
         )
         tower = getattr(encoder, "tower", None)
-        blocks = blocks_to_compile(tower, scope, dynamic_shapes=not self.static_shapes)
+        blocks = blocks_to_compile(tower, dynamic_shapes=not self.static_shapes)
         #: The compiled repeated blocks; None when the whole graph forward is compiled.
         self.compiled_blocks = CompiledBlocks(blocks, compile_function) if blocks else None
         self._compile_function = compile_function

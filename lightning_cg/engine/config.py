@@ -9,10 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_cg.core.budgets import AUTO_LADDER, LADDERS, is_finite_number
+from lightning_cg.core.budgets import LADDERS, is_finite_number
 from lightning_cg.core.dispatcher import GraphMode
-from lightning_cg.core.packing import PACKING_STRATEGIES
-from lightning_cg.engine.compile_regions import COMPILE_SCOPES
 from lightning_cg.engine.compiled import check_compile
 from lightning_cg.engine.piecewise import (
     DEFAULT_SPLITTING_OPS,
@@ -52,9 +50,7 @@ def _check_number(name: str, value: Any, minimum: float) -> None:
 #: Options of a generated ladder, and the ladders that read each.
 _LADDER_OPTIONS = {
     "ratio": ("geometric",),
-    "align": ("pow2", "geometric", AUTO_LADDER),
-    "k": (AUTO_LADDER,),
-    "auto_sample_batches": (AUTO_LADDER,),
+    "align": ("pow2", "geometric"),
     "compiled_ratio": ("pow2", "geometric"),
 }
 
@@ -66,12 +62,8 @@ class BudgetConfig:
     Attributes:
         min_budget: smallest budget; None takes the adapter's default (so does max_budget).
         budgets: an explicit ladder; overrides min/max.
-        ladder: ``pow2`` (double from min), ``geometric`` (multiply by ratio) or
-            ``auto`` (learned from the first batches' item sizes).
-        align: geometric budgets are rounded up to a multiple of this, auto budgets
-            to a multiple of ``gcd(align, min_budget)``.
-        k: most budgets of an auto ladder.
-        auto_sample_batches: first batches an auto ladder is learned from (run eagerly).
+        ladder: ``pow2`` (double from min) or ``geometric`` (multiply by ratio).
+        align: geometric budgets are rounded up to a multiple of this.
         compiled_ratio: with a dynamic-shape compiled forward, a generated ladder coarser
             than this becomes ``geometric`` at this ratio (finer budgets then cost only
             their captures); None keeps the ladder.
@@ -83,8 +75,6 @@ class BudgetConfig:
     ladder: str = "pow2"
     ratio: float = 1.25
     align: int = 16
-    k: int = 12
-    auto_sample_batches: int = 1
     compiled_ratio: float | None = 1.05
 
     def __post_init__(self) -> None:
@@ -105,23 +95,17 @@ class BudgetConfig:
             for index, budget in enumerate(self.budgets):
                 _check_positive_int(f"budgets[{index}]", budget)
             object.__setattr__(self, "budgets", tuple(self.budgets))
-        _check_choice("ladder", self.ladder, (*LADDERS, AUTO_LADDER))
+        _check_choice("ladder", self.ladder, LADDERS)
         _check_number("ratio", self.ratio, 1.0)
         if self.ratio == 1.0:
             raise ValueError(f"ratio must be a finite number > 1; got ratio={self.ratio!r}")
-        for name in ("align", "k", "auto_sample_batches"):
-            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("align", self.align)
         if self.compiled_ratio is not None and not (
             is_finite_number(self.compiled_ratio) and self.compiled_ratio > 1
         ):
             raise ValueError(
                 "compiled_ratio must be a finite number > 1 or None; "
                 f"got compiled_ratio={self.compiled_ratio!r}"
-            )
-        if self.ladder == AUTO_LADDER and self.budgets is not None:
-            raise ValueError(
-                "budgets (an explicit ladder) and ladder='auto' exclude each other; "
-                f"got budgets={list(self.budgets)!r}"
             )
         self._check_options_apply()
 
@@ -186,16 +170,12 @@ class GraphConfig:
 
     Attributes:
         paths: per encoder path, a budget choice that replaces ``budgets``.
-        max_items_per_batch: most items in one sub-batch; None derives it from the
-            budgets (an ``auto`` ladder lowers it to what the sample needs).
+        max_items_per_batch: most items in one sub-batch; None derives it from the budgets.
         max_frames_per_batch: attention sequences a graph holds; None is
             ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
-        uniform_item_counts: item counts of the exact uniform keys; None: powers of two.
         verify: compare every graph's first replay with eager; raise on a mismatch.
         piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
         compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
-        compile_scope: ``auto`` (a packed tower's repeated blocks when they hold most of
-            its weights, else the whole forward), ``blocks`` or ``whole``.
         capture_errors: ``raise`` a capture error without a known fallback, or turn
             every path ``eager``.
         capture: ``paid_back`` once a key's capture is expected to pay for itself,
@@ -211,13 +191,10 @@ class GraphConfig:
     paths: Mapping[str, BudgetConfig] = field(default_factory=dict)
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
-    packing: str = "next_fit"
-    uniform_item_counts: tuple[int, ...] | None = None
     verify: bool = False
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     piecewise_fallback: str = "error"
     compile: bool = False
-    compile_scope: str = "auto"
     capture_errors: str = "raise"
     capture: str = "paid_back"
     cast_weights_per_run: bool = True
@@ -234,27 +211,11 @@ class GraphConfig:
         set_field(self, "paths", dict(self.paths))
         _check_positive_int("max_items_per_batch", self.max_items_per_batch, none_ok=True)
         _check_positive_int("max_frames_per_batch", self.max_frames_per_batch, none_ok=True)
-        _check_choice("packing", self.packing, PACKING_STRATEGIES)
-        if self.uniform_item_counts is not None:
-            if isinstance(self.uniform_item_counts, str) or not self.uniform_item_counts:
-                raise ValueError(
-                    "uniform_item_counts must be a non-empty list of positive integers or "
-                    f"None; got uniform_item_counts={self.uniform_item_counts!r}"
-                )
-            for index, count in enumerate(self.uniform_item_counts):
-                _check_positive_int(f"uniform_item_counts[{index}]", count)
-            set_field(self, "uniform_item_counts", tuple(self.uniform_item_counts))
         for name in ("verify", "cast_weights_per_run"):
             _check_bool(name, getattr(self, name))
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)
         check_compile(self.compile, self.mode)
-        _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
-        if self.compile_scope != "auto" and self.compile is False:
-            raise ValueError(
-                f"compile_scope={self.compile_scope!r} says what compile compiles; "
-                "compile is False. Set compile=True, or leave compile_scope at 'auto'"
-            )
         _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:

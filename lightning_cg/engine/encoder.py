@@ -39,17 +39,15 @@ class ItemSpec:
 
 @dataclass(frozen=True)
 class PathConfig:
-    """One encoder path.
+    """One encoder path; a sub-batch with no tokens on it skips it.
 
     Attributes:
-        allow_zero_tokens: items may have no tokens on this path; such sub-batches skip it.
         per_item_metadata: the graph's metadata has a slot per item and empty slots
             cost time, so mixed FULL graphs are captured per power-of-two item count
             and a sub-batch replays the one with the fewest slots that hold it.
     """
 
     min_token_budget: int
-    allow_zero_tokens: bool = False
     per_item_metadata: bool = False
 
 

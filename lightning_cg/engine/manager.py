@@ -1,8 +1,8 @@
 """EncoderGraphManager: run a tower through graphs at token budgets, eager elsewhere.
 
 A façade over parts with one job each: the plan (:mod:`~lightning_cg.engine.plan`), the
-cache, the capture policy, the capturer, compiled capture, the call runner, the auto
-ladder and the stats. Without CUDA the same path runs without capture.
+cache, the capture policy, the capturer, compiled capture, the call runner and the stats.
+Without CUDA the same path runs without capture.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from lightning_cg.core.capture_policy import CapturePolicy
 from lightning_cg.core.stats import GraphStats
-from lightning_cg.engine.auto_ladder import AutoLadder
 from lightning_cg.engine.cache import GraphCache, GraphSet
 from lightning_cg.engine.call_runner import CallRunner
 from lightning_cg.engine.capture import GraphCapturer, ProgressFn, path_keys
@@ -71,27 +70,12 @@ class EncoderGraphManager:
         choices = path_budget_choices(self.encoder_config, self.config)
         #: The current plan, replaced as a whole whenever it changes.
         self.plans = PlanRef(plan_paths(encoder, self.config, choices))
-        max_items = self.plans.plan.max_items
         self.cache = GraphCache()
         weight_casts = weight_casts_for(encoder, self.config.cast_weights_per_run)
         self.capturer = GraphCapturer(
             encoder, self.config, self.plans, self.cache, self.stats, progress, weight_casts
         )
         self.policy = CapturePolicy(first_use=self.config.capture in ("first_use", "upfront"))
-        self.auto_ladder = AutoLadder(
-            choices,
-            self.plans,
-            max_items,
-            # The user's cap, frames or uniform counts fix the item cap.
-            learn_max_items=all(
-                given is None
-                for given in (
-                    self.config.max_items_per_batch,
-                    self.config.max_frames_per_batch,
-                    self.config.uniform_item_counts,
-                )
-            ),
-        )
         self.runner = CallRunner(
             encoder, self.config, self.plans, self.cache, self.capturer, self.policy, self.stats
         )
@@ -130,11 +114,6 @@ class EncoderGraphManager:
         """The most items of one sub-batch."""
         return self.plans.plan.max_items
 
-    @property
-    def learned_budgets(self) -> dict[str, dict[str, Any]]:
-        """Per auto path: the learned ladder, its expected padding and sample size."""
-        return self.auto_ladder.learned
-
     def begin_run(self, expected_calls: int | None = None, later_runs: int | None = None) -> None:
         """Start a run: zero the run counters, tell the capture policy the calls to expect
         and the runs like it known to follow (None: unknown), and refresh the weight copies."""
@@ -162,16 +141,6 @@ class EncoderGraphManager:
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
 
-    def learn_budgets(self, batches: Sequence[Sequence[dict[str, int]]]) -> dict[str, list[int]]:
-        """Learn every ``auto`` path's ladder from batches of ``ItemSpec.path_tokens``
-        (e.g. ``[[{"local": 256}, {"local": 1024}]]``); returns the ladders.
-
-        Otherwise done on the first ``auto_sample_batches`` batches. Drops earlier graphs.
-        """
-        self.auto_ladder.learn(batches)
-        self.clear()
-        return self.auto_ladder.learned_ladders()
-
     def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
         """Capture every key of ``paths`` (default: all) for one adapter signature now,
         whatever the capture policy says."""
@@ -189,7 +158,7 @@ class EncoderGraphManager:
         tower's own output format, items in order, aliasing no graph buffer."""
         specs = self._counted_specs(inputs)
         # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
-        if torch.is_grad_enabled() or self._sampling(specs):
+        if torch.is_grad_enabled():
             outputs = self.runner.run_eagerly(inputs, specs)
         else:
             if self.compiling is not None:
@@ -203,7 +172,7 @@ class EncoderGraphManager:
     def execute_items(self, inputs: Any) -> list[dict[str, torch.Tensor]]:
         """Like :meth:`execute`, but per item: ``{path: output rows}`` in input order."""
         specs = self._counted_specs(inputs)
-        if torch.is_grad_enabled() or self._sampling(specs):
+        if torch.is_grad_enabled():
             return self.runner.run_eagerly(inputs, specs).per_item()
         if self.compiling is not None:
             self.compiling.before_call()
@@ -214,12 +183,3 @@ class EncoderGraphManager:
         self.stats.items += len(specs)
         self.stats.tokens += sum(spec.output_tokens for spec in specs)
         return specs
-
-    def _sampling(self, specs: list[ItemSpec]) -> bool:
-        """Add a batch to the auto ladder's sample; True while it runs eagerly for that."""
-        if not self.auto_ladder.sampling or not specs:
-            return False
-        if self.auto_ladder.add_batch(specs) is None:
-            return True
-        self.clear()
-        return False

@@ -1,8 +1,8 @@
 """The plan: each path's budgets and dispatcher, the item cap, and each call's plan.
 
-A :class:`Plan` is immutable: what changes it (a capture fault, a learned ladder,
-compiling) puts a new one in the manager's :class:`PlanRef`. It remembers the call plan
-(sub-batches and keys) of every call shape it has seen; those go with it.
+A :class:`Plan` is immutable: what changes it (a capture fault, compiling) puts a new one
+in the manager's :class:`PlanRef`. It remembers the call plan (sub-batches and keys) of
+every call shape it has seen; those go with it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_cg.core.budgets import AUTO_LADDER, resolve_budgets
+from lightning_cg.core.budgets import resolve_budgets
 from lightning_cg.core.dispatcher import BatchDescriptor, CudagraphDispatcher, GraphMode
 from lightning_cg.core.packing import pack_items
 from lightning_cg.engine.budget_memory import check_budgets_fit
@@ -36,19 +36,13 @@ class PathPlan:
 
     budgets: tuple[int, ...]
     dispatcher: CudagraphDispatcher
-    allow_zero_tokens: bool
     item_frames: int
     max_frames: int
     eager_reason: str | None = None
     _graph_frames: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def ladder(self) -> list[int]:
-        """The budgets packing may fill; zero is one of its own for optional paths."""
-        return ([0] if self.allow_zero_tokens else []) + list(self.budgets)
-
     def with_budgets(self, budgets: Sequence[int]) -> PathPlan:
-        """This plan graphing ``budgets`` (a learned or reduced ladder)."""
+        """This plan graphing ``budgets`` (a reduced or compiled ladder)."""
         budgets = tuple(budgets)
         dispatcher = self.dispatcher.replace(budgets=list(budgets))
         return dataclasses.replace(self, budgets=budgets, dispatcher=dispatcher, _graph_frames={})
@@ -67,18 +61,6 @@ class PathPlan:
     def with_mode(self, mode: GraphMode) -> PathPlan:
         """This plan dispatching by ``mode``."""
         return dataclasses.replace(self, dispatcher=self.dispatcher.replace(mode=mode))
-
-    def with_max_items(self, max_items: int) -> PathPlan:
-        """This plan holding at most ``max_items`` items, and their frames in a FULL graph."""
-        max_frames = max_items * self.item_frames
-        slot_counts = mixed_slot_counts(max_items, max_frames, self.item_frames)
-        dispatcher = self.dispatcher.replace(
-            uniform_item_counts=pow2_counts(max_items),
-            mixed_item_counts=slot_counts if self.dispatcher.mixed_item_counts else (),
-        )
-        return dataclasses.replace(
-            self, dispatcher=dispatcher, max_frames=max_frames, _graph_frames={}
-        )
 
     def capture_spec(
         self,
@@ -141,7 +123,6 @@ class Plan:
     paths: Mapping[str, PathPlan]
     max_items: int
     mode: GraphMode
-    packing: str
     _calls: dict = field(default_factory=dict, repr=False, compare=False)
     _keys: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -151,13 +132,7 @@ class Plan:
 
     def with_paths(self, paths: Mapping[str, PathPlan]) -> Plan:
         """This plan with ``paths``."""
-        return Plan(dict(paths), self.max_items, self.mode, self.packing)
-
-    def with_max_items(self, max_items: int) -> Plan:
-        """This plan holding at most ``max_items`` items in a sub-batch (a FULL graph's
-        attention runs for every slot, empty or not, so an auto ladder lowers it)."""
-        paths = {path: plan.with_max_items(max_items) for path, plan in self.paths.items()}
-        return Plan(paths, max_items, self.mode, self.packing)
+        return Plan(dict(paths), self.max_items, self.mode)
 
     def call_plan(self, graph_set: GraphSet, specs: Sequence[ItemSpec]) -> list[SubBatchPlan]:
         """The sub-batches of a call and each one's routes, remembered per call shape."""
@@ -172,8 +147,7 @@ class Plan:
     def _plan_call(self, graph_set: GraphSet, specs: Sequence[ItemSpec]) -> list[SubBatchPlan]:
         item_tokens = [spec.path_tokens for spec in specs]
         max_budgets = {path: plan.budgets[-1] for path, plan in self.paths.items()}
-        ladders = {path: plan.ladder for path, plan in self.paths.items()}
-        packed = pack_items(item_tokens, self.max_items, max_budgets, self.packing, ladders)
+        packed = pack_items(item_tokens, self.max_items, max_budgets)
         sub_batches = []
         # Items in call order: consecutive items are selected as views, not gathered.
         for indices in map(sorted, packed):
@@ -276,8 +250,7 @@ def resolve_path(
         max_budget,
         list(choice.budgets) if choice.budgets is not None else None,
         max_items,
-        # An auto ladder is pow2 until it is learned.
-        ladder="pow2" if choice.ladder == AUTO_LADDER else choice.ladder,
+        ladder=choice.ladder,
         ratio=choice.ratio,
         align=choice.align,
     )
@@ -286,9 +259,9 @@ def resolve_path(
 def compiled_choice(choice: BudgetConfig) -> BudgetConfig:
     """The budget choice of graphs from a forward compiled once for every budget: a
     generated ladder coarser than ``choice.compiled_ratio`` becomes geometric at it
-    (padding then costs fused work on every replay). Explicit and ``auto`` ladders stay."""
+    (padding then costs fused work on every replay). An explicit ladder stays."""
     ratio = choice.compiled_ratio
-    if ratio is None or choice.budgets is not None or choice.ladder == AUTO_LADDER:
+    if ratio is None or choice.budgets is not None:
         return choice
     if choice.ladder == "geometric" and choice.ratio <= ratio:
         return choice
@@ -322,7 +295,7 @@ def plan_paths(
         resolve_path(encoder, path, choice, user_max_items)[1] for path, choice in choices.items()
     )
     encoder_config = encoder.graph_config()
-    counts = list(config.uniform_item_counts or pow2_counts(max_items))
+    counts = pow2_counts(max_items)
     frames_per_item = encoder_config.max_frames_per_item
     max_frames = config.max_frames_per_batch or max_items * frames_per_item
     slot_counts = mixed_slot_counts(max_items, max_frames, frames_per_item)
@@ -338,12 +311,11 @@ def plan_paths(
                 counts,
                 mixed_item_counts=slot_counts if path_config.per_item_metadata else (),
             ),
-            allow_zero_tokens=path_config.allow_zero_tokens,
             item_frames=frames_per_item,
             max_frames=max_frames,
         )
     check_budgets_fit(encoder, {path: list(plan.budgets) for path, plan in plans.items()}, config)
-    return Plan(plans, max_items, config.mode, config.packing)
+    return Plan(plans, max_items, config.mode)
 
 
 def next_pow2(count: int) -> int:

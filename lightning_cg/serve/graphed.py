@@ -10,7 +10,6 @@ Example::
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any
 
 from torch import nn
@@ -38,7 +37,8 @@ class GraphedTower:
         self._adapter = adapter
         self._config = config
         self._options = options
-        self._saved: dict[str, Any] | None = None
+        #: Whether the tower had an instance-level forward on entering, and which.
+        self._saved: tuple[bool, Any] | None = None
 
     @property
     def stats(self) -> dict[str, float]:
@@ -65,25 +65,18 @@ class GraphedTower:
 
         setattr(graphed_forward, _MARK, True)
         # An instance-level forward (another wrapper) is put back as it was.
-        self._saved = {"had": "forward" in tower.__dict__, "forward": tower.__dict__.get("forward")}
+        self._saved = ("forward" in tower.__dict__, tower.__dict__.get("forward"))
         self.manager = manager
         tower.forward = graphed_forward
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         # Runs for every exception, KeyboardInterrupt included; swallows none.
         saved, self._saved = self._saved, None
-        if saved is None:
-            return
-        if saved["had"]:
-            self.tower.forward = saved["forward"]
-        else:
+        if saved is not None:
             del self.tower.forward
+            if saved[0]:
+                self.tower.forward = saved[1]
 
 
 def graphed(

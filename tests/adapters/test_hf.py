@@ -12,7 +12,6 @@ transformers = pytest.importorskip("transformers")
 from lightning.pytorch import LightningModule  # noqa: E402
 from output_checks import assert_same_output as same_output  # noqa: E402
 from test_callback import trainer  # noqa: E402
-from test_compile_regions import GraphCounter  # noqa: E402
 
 from lightning_cg.adapters import adapter_for  # noqa: E402
 from lightning_cg.adapters.batched import IMAGE_PATH  # noqa: E402
@@ -234,43 +233,6 @@ def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     x = torch.randn(3, 3, 32, 32)
     assert_same_output(execute(manager, x), eager(tower, x))
-
-
-def test_compiled_layers_leave_calls_that_collect_attentions_uncompiled():
-    # transformers appends each layer's attentions to a Python list whose length
-    # dynamo guards: one compiled layer would compile again for every layer.
-    torch._dynamo.reset()
-    tower = tiny_tower("clip", attention="eager")
-    backend = GraphCounter()
-    encoder = CompiledEncoder(HFEncoderAdapter(tower), backend=backend, scope="blocks")
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
-    for options in ({}, {"output_attentions": True}):
-        for batch_size in (2, 3):
-            x = torch.randn(batch_size, 3, 32, 32)
-            assert_same_output(execute(manager, x, **options), eager(tower, x, **options))
-        # Budgets 2 and 4: static shapes, then symbolic ones (torch.compile's default).
-        assert backend.graphs == 2
-    tower.config.output_attentions = True  # the config asks for them when the call does not
-    x = torch.randn(2, 3, 32, 32)
-    assert_same_output(execute(manager, x), eager(tower, x))
-    assert backend.graphs == 2
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_compiled_encoder_layers_equal_the_towers_forward(kind):
-    # backend="eager": dynamo traces one encoder layer's forward, which every
-    # layer calls, without generating code.
-    tower = tiny_tower(kind)
-    encoder = CompiledEncoder(HFEncoderAdapter(tower), backend="eager", scope="blocks")
-    blocks = encoder.compiled_blocks.blocks
-    assert len(blocks) == TINY["num_hidden_layers"]
-    assert type(blocks[0]).__name__.endswith("Layer")  # e.g. CLIPEncoderLayer, ViTLayer
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
-    for batch_size in (1, 3, 2):
-        x = torch.randn(batch_size, 3, 32, 32)
-        assert_same_output(execute(manager, pixel_values=x), eager(tower, pixel_values=x))
-    assert manager.stats.hits == 3
-    assert not any("forward" in vars(block) for block in blocks)
 
 
 # ---------------------------------------------------------------- errors

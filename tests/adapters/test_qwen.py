@@ -52,7 +52,9 @@ def tiny_tower(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     else:
         config = transformers.Qwen3VLVisionConfig(
             hidden_size=32,
-            intermediate_size=64,
+            # Wide enough that the blocks hold most weights (the deepstack mergers
+            # are large): blocks are what a dynamic-shape compile compiles.
+            intermediate_size=512,
             out_hidden_size=24,
             deepstack_visual_indexes=[0, 1],
             num_position_embeddings=16,
@@ -154,7 +156,7 @@ def compiled_blocks_manager(tower) -> tuple[EncoderGraphManager, GraphCounter]:
     its graphs), with small budgets, capturing at first use; ``manager.encoder``
     is that compiling wrapper (``compile=False``: the manager adds none of its own)."""
     backend = GraphCounter()
-    encoder = CompiledEncoder(adapter_for(tower), backend=backend, scope="blocks")
+    encoder = CompiledEncoder(adapter_for(tower), backend=backend)
     manager = EncoderGraphManager(
         encoder,
         budgets=BUDGETS,
@@ -345,7 +347,7 @@ def test_inductor_compiled_blocks_equal_the_towers_forward_with_padding(kind):
     second fills the last offset slot, padding rows after it."""
     torch._dynamo.reset()
     tower = tiny_tower(kind, device="cuda")
-    encoder = CompiledEncoder(adapter_for(tower), backend="inductor", scope="blocks")
+    encoder = CompiledEncoder(adapter_for(tower), backend="inductor")
     manager = EncoderGraphManager(
         encoder, budgets=BUDGETS, max_items_per_batch=4, max_frames_per_batch=6, capture="first_use"
     )
@@ -379,7 +381,7 @@ def test_the_qwen3_vl_moe_tower_is_served_as_qwen3_vl():
 
 def test_items_come_back_in_order_when_packing_reorders_them():
     tower = tiny_tower("qwen2_5_vl")
-    manager = manager_for(tower, packing="min_padding")
+    manager = manager_for(tower)
     hidden_states, grid_thw = random_batch(5, count=7)
     expected = eager(tower, hidden_states, grid_thw)
     assert_outputs_equal(graphed(manager, hidden_states, grid_thw), expected, rtol=1e-5, atol=1e-6)

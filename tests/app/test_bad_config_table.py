@@ -39,8 +39,6 @@ HYDRA_ROWS = [
     # flags take exactly true or false
     ("predict", ["cudagraph.verify=no"], "verify"),
     ("predict", ["cudagraph.compile=maybe"], "compile"),
-    ("predict", ["cudagraph.compile=true", "cudagraph.compile_scope=layers"], "compile_scope"),
-    ("predict", ["cudagraph.compile=false", "cudagraph.compile_scope=blocks"], "compile_scope"),
     ("predict", ["cudagraph.budgets.compiled_ratio=1"], "compiled_ratio"),
     ("predict", ["cudagraph.keep_graphs=yes"], "keep_graphs"),
     ("predict", ["compare_eager=maybe"], "compare_eager"),
@@ -63,17 +61,11 @@ HYDRA_ROWS = [
         "min_budget",
     ),
     ("predict", ["cudagraph.budgets.ladder=best"], "ladder"),
+    ("predict", ["cudagraph.budgets.ladder=auto"], "ladder"),
     ("predict", ["cudagraph.budgets.ratio=0.5"], "ratio"),
     ("predict", ["cudagraph.budgets.ratio=abc"], "ratio"),
     ("predict", ["cudagraph.budgets.ratio=inf"], "ratio"),
     ("predict", ["cudagraph/budgets=geometric", "cudagraph.budgets.align=0"], "align"),
-    ("predict", ["cudagraph/budgets=auto", "cudagraph.budgets.k=0"], "k"),
-    (
-        "predict",
-        ["cudagraph/budgets=auto", "cudagraph.budgets.auto_sample_batches=0"],
-        "auto_sample_batches",
-    ),
-    ("predict", ["cudagraph/budgets=auto", "cudagraph.budgets.budgets=[64,128]"], "budgets"),
     ("predict", ["+cudagraph.budgets.bogus=1"], "bogus"),
     # sizes that cannot work
     ("predict", ["cudagraph.budgets.max_budget=99999999"], "max_budget"),
@@ -186,16 +178,6 @@ PYTHON_ROWS = [
         "encoder_data_parallel",
     ),
     ("callback cast_weights_per_run=1", callback(cast_weights_per_run=1), "cast_weights_per_run"),
-    (
-        "callback compile_scope='layers'",
-        callback(compile=True, compile_scope="layers"),
-        "compile_scope",
-    ),
-    (
-        "callback compile_scope without compile",
-        callback(compile=False, compile_scope="whole"),
-        "compile_scope",
-    ),
     ("callback compile=1", callback(compile=1), "compile"),
     (
         "callback compiled_ratio='fine'",
@@ -232,43 +214,12 @@ PYTHON_ROWS = [
         callback(piecewise_fallback="ignore"),
         "piecewise_fallback",
     ),
-    (
-        "callback auto ladder with budgets",
-        callback(budgets={"ladder": "auto", "budgets": [64]}),
-        "budgets",
-    ),
     ("callback paths as a list", callback(paths=[("local", {})]), "paths"),
     ("callback paths.local='pow2'", callback(paths={"local": "pow2"}), "paths.local"),
     ("callback unknown option", lambda: CUDAGraphCallback(verfy=True), "verfy"),
     ("config verify=1", graph_config(verify=1), "verify"),
-    (
-        "config uniform_item_counts='1,2'",
-        graph_config(uniform_item_counts="1,2"),
-        "uniform_item_counts",
-    ),
-    (
-        "config uniform_item_counts [1, 0]",
-        graph_config(uniform_item_counts=[1, 0]),
-        "uniform_item_counts[1]=0",
-    ),
-    (
-        "config uniform_item_counts [2, 2.5]",
-        graph_config(uniform_item_counts=[2, 2.5]),
-        "uniform_item_counts[1]=2.5",
-    ),
-    (
-        "config uniform_item_counts [True]",
-        graph_config(uniform_item_counts=[True]),
-        "uniform_item_counts[0]=True",
-    ),
     ("config capture_errors='ignore'", graph_config(capture_errors="ignore"), "capture_errors"),
     ("config unknown option", graph_config(bogus=1), "bogus"),
-    ("config k=0", graph_config(budgets={"ladder": "auto", "k": 0}), "k"),
-    (
-        "config auto_sample_batches=0",
-        graph_config(budgets={"auto_sample_batches": 0}),
-        "auto_sample_batches",
-    ),
     ("config compile with piecewise", graph_config(compile=True, mode="piecewise"), "compile"),
     (
         "config min_budget > max_budget",
@@ -294,12 +245,6 @@ PYTHON_ROWS = [
         "config compiled_ratio uncompiled",
         graph_config(paths={"local": {"compiled_ratio": 1.2}}),
         "paths.local.compiled_ratio=1.2 is read only by compiled capture",
-    ),
-    ("BudgetConfig pow2 k", lambda: BudgetConfig(k=4), "k=4 applies only"),
-    (
-        "BudgetConfig pow2 auto_sample_batches",
-        lambda: BudgetConfig(auto_sample_batches=3),
-        "auto_sample_batches=3 applies only",
     ),
     (
         "BudgetConfig explicit align",

@@ -74,13 +74,6 @@ def test_max_frames_per_batch_sends_sub_batches_of_more_frames_to_eager(eager):
     assert served(stats) == (0, 0, SUB_BATCHES)
 
 
-def test_min_padding_packing_pads_less_than_next_fit(eager):
-    next_fit = graphed_stats(eager, budgets=BUDGETS, packing="next_fit")
-    min_padding = graphed_stats(eager, budgets=BUDGETS, packing="min_padding")
-    assert min_padding["padded_tokens"] < next_fit["padded_tokens"]
-    assert min_padding["real_tokens"] == next_fit["real_tokens"]
-
-
 @pytest.mark.parametrize("keep_graphs", [True, False])
 def test_keep_graphs_decides_whether_the_next_run_captures_again(keep_graphs):
     callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=keep_graphs, capture="first_use")

@@ -1,17 +1,15 @@
-from itertools import combinations
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_cg.core.packing import PACKING_STRATEGIES, pack_items, padded_tokens
+from lightning_cg.core.packing import pack_items
 
 PATHS = ("local", "global")
 
 
 @st.composite
 def problems(draw, max_size=30):
-    """Random items over two paths, a max item count, caps and ladders ending at them."""
+    """Random items over two paths, a max item count and caps."""
     caps = {path: draw(st.integers(8, 64)) for path in PATHS}
     items = draw(
         st.lists(
@@ -20,16 +18,12 @@ def problems(draw, max_size=30):
         )
     )
     max_items = draw(st.integers(1, 8))
-    ladders = {
-        path: sorted(set(draw(st.lists(st.integers(1, cap), max_size=5))) | {cap})
-        for path, cap in caps.items()
-    }
-    return items, max_items, caps, ladders
+    return items, max_items, caps
 
 
-def pack(problem, strategy):
-    items, max_items, caps, ladders = problem
-    return pack_items(items, max_items, caps, strategy, budgets=ladders)
+def pack(problem):
+    items, max_items, caps = problem
+    return pack_items(items, max_items, caps)
 
 
 def is_oversize(item, caps):
@@ -44,19 +38,17 @@ def sorted_order(items):
     return sorted(range(len(items)), key=lambda i: sum(items[i].values()))
 
 
-@pytest.mark.parametrize("strategy", PACKING_STRATEGIES)
 @given(problem=problems())
-def test_every_item_exactly_once(strategy, problem):
-    sub_batches = pack(problem, strategy)
+def test_every_item_exactly_once(problem):
+    sub_batches = pack(problem)
     assert sorted(i for sub_batch in sub_batches for i in sub_batch) == list(range(len(problem[0])))
     assert all(sub_batches)
 
 
-@pytest.mark.parametrize("strategy", PACKING_STRATEGIES)
 @given(problem=problems())
-def test_limits_hold_and_oversize_items_are_alone(strategy, problem):
-    items, max_items, caps, _ = problem
-    for sub_batch in pack(problem, strategy):
+def test_limits_hold_and_oversize_items_are_alone(problem):
+    items, max_items, caps = problem
+    for sub_batch in pack(problem):
         if any(is_oversize(items[i], caps) for i in sub_batch):
             assert len(sub_batch) == 1
             continue
@@ -64,11 +56,10 @@ def test_limits_hold_and_oversize_items_are_alone(strategy, problem):
         assert all(total <= caps[path] for path, total in sums(sub_batch, items).items())
 
 
-@pytest.mark.parametrize("strategy", PACKING_STRATEGIES)
 @given(problem=problems())
-def test_sub_batches_follow_ascending_size_with_oversize_last(strategy, problem):
-    items, _, caps, _ = problem
-    flat = [i for sub_batch in pack(problem, strategy) for i in sub_batch]
+def test_sub_batches_follow_ascending_size_with_oversize_last(problem):
+    items, _, caps = problem
+    flat = [i for sub_batch in pack(problem) for i in sub_batch]
     order = sorted_order(items)
     fitting = [i for i in order if not is_oversize(items[i], caps)]
     oversize = [i for i in order if is_oversize(items[i], caps)]
@@ -77,8 +68,8 @@ def test_sub_batches_follow_ascending_size_with_oversize_last(strategy, problem)
 
 @given(problem=problems())
 def test_next_fit_closes_a_sub_batch_only_when_the_next_item_does_not_fit(problem):
-    items, max_items, caps, _ = problem
-    fitting = [b for b in pack(problem, "next_fit") if not is_oversize(items[b[0]], caps)]
+    items, max_items, caps = problem
+    fitting = [b for b in pack(problem) if not is_oversize(items[b[0]], caps)]
     for current, following in zip(fitting, fitting[1:], strict=False):
         totals = sums(current + following[:1], items)
         full = len(current) == max_items
@@ -86,47 +77,8 @@ def test_next_fit_closes_a_sub_batch_only_when_the_next_item_does_not_fit(proble
 
 
 @given(problem=problems())
-def test_min_padding_never_pads_more_than_next_fit(problem):
-    items, _, _, ladders = problem
-    greedy = padded_tokens(pack(problem, "next_fit"), items, ladders)
-    optimal = padded_tokens(pack(problem, "min_padding"), items, ladders)
-    assert optimal <= greedy
-    if optimal == greedy:
-        assert len(pack(problem, "min_padding")) <= len(pack(problem, "next_fit"))
-
-
-def contiguous_partitions(order):
-    if not order:
-        yield []
-    for cut_count in range(len(order)):
-        for cuts in combinations(range(1, len(order)), cut_count):
-            bounds = [0, *cuts, len(order)]
-            yield [order[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-@given(problem=problems(max_size=7))
-def test_min_padding_is_optimal_over_runs_of_the_sorted_order(problem):
-    items, max_items, caps, ladders = problem
-    fitting = [i for i in sorted_order(items) if not is_oversize(items[i], caps)]
-    oversize = [[i] for i in sorted_order(items) if is_oversize(items[i], caps)]
-    feasible = [
-        runs + oversize
-        for runs in contiguous_partitions(fitting)
-        if all(
-            len(run) <= max_items and all(sums(run, items)[p] <= caps[p] for p in PATHS)
-            for run in runs
-        )
-    ]
-    # Least padding first, then fewest sub-batches.
-    best = min((padded_tokens(option, items, ladders), len(option)) for option in feasible)
-    sub_batches = pack(problem, "min_padding")
-    assert (padded_tokens(sub_batches, items, ladders), len(sub_batches)) == best
-
-
-@pytest.mark.parametrize("strategy", PACKING_STRATEGIES)
-@given(problem=problems())
-def test_packing_is_deterministic(strategy, problem):
-    assert pack(problem, strategy) == pack(problem, strategy)
+def test_packing_is_deterministic(problem):
+    assert pack(problem) == pack(problem)
 
 
 def test_next_fit_by_hand():
@@ -147,67 +99,17 @@ def test_next_fit_by_hand():
     assert pack_items(items, 2, caps) == [[5, 1], [3, 0], [2], [4]]
 
 
-def test_min_padding_beats_next_fit_by_hand():
-    # next_fit: [3, 3] pads 6 -> 8, [5] pads 5 -> 8: 5 tokens.
-    # min_padding: [3] pads 3 -> 4, [3, 5] fills 8 exactly: 1 token.
-    items = [{"p": 3}, {"p": 3}, {"p": 5}]
-    ladders = {"p": [4, 8]}
-    greedy = pack_items(items, 3, {"p": 8}, "next_fit", ladders)
-    optimal = pack_items(items, 3, {"p": 8}, "min_padding", ladders)
-    assert greedy == [[0, 1], [2]]
-    assert optimal == [[0], [1, 2]]
-    assert padded_tokens(greedy, items, ladders) == 5
-    assert padded_tokens(optimal, items, ladders) == 1
-
-
-def test_min_padding_prefers_fewer_sub_batches_at_equal_padding():
-    # Both pad only 5 -> 6: [1, 1, 2] [4] [5] and [1] [1] [2, 4] [5]; fewer graphs win.
-    items = [{"p": 1}, {"p": 1}, {"p": 2}, {"p": 4}, {"p": 5}]
-    ladders = {"p": [1, 3, 4, 6]}
-    sub_batches = pack_items(items, 3, {"p": 6}, "min_padding", ladders)
-    assert sub_batches == [[0, 1, 2], [3], [4]]
-    assert padded_tokens(sub_batches, items, ladders) == 1
-
-
-def test_padded_tokens_by_hand():
-    ladders = {"local": [16, 32], "global": [8]}
-    items = [{"local": 10, "global": 3}, {"local": 20}, {"local": 40, "global": 1}]
-    # [0]: local 10 -> 16, global 3 -> 8: 6 + 5.
-    # [1]: local 20 -> 32: 12; no global tokens, the path is skipped.
-    # [2]: local 40 is above 32: the item runs eagerly and pads nothing.
-    assert padded_tokens([[0], [1], [2]], items, ladders) == 23
-    # [0, 1]: local 30 -> 32, global 3 -> 8.
-    assert padded_tokens([[0, 1]], items, ladders) == 7
-
-
-def test_zero_rung_is_accepted_for_optional_paths():
-    items = [{"local": 10}, {"local": 20, "global": 3}]
-    ladders = {"local": [16, 32], "global": [0, 8]}
-    sub_batches = pack_items(items, 1, {"local": 32, "global": 8}, "min_padding", ladders)
-    assert sub_batches == [[0], [1]]
-    assert padded_tokens(sub_batches, items, ladders) == 6 + 12 + 5
-
-
-@pytest.mark.parametrize("strategy", PACKING_STRATEGIES)
-def test_empty_input(strategy):
-    assert pack_items([], 4, {"p": 8}, strategy, {"p": [8]}) == []
-    assert padded_tokens([], [], {"p": [8]}) == 0
+def test_empty_input():
+    assert pack_items([], 4, {"p": 8}) == []
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"strategy": "first_fit"}, "strategy must be one of next_fit, min_padding"),
         ({"max_items": 0}, "max_items"),
         ({"max_items": 1.5}, "max_items"),
         ({"max_budgets": {}}, "max_budgets"),
         ({"max_budgets": {"p": 0}}, "max_budgets"),
-        ({"strategy": "min_padding", "budgets": None}, "needs budgets"),
-        ({"strategy": "min_padding", "budgets": {"p": [4]}}, r"budgets\['p'\] must end at"),
-        ({"strategy": "min_padding", "budgets": {"p": [4, 16]}}, r"budgets\['p'\] must end at"),
-        ({"strategy": "min_padding", "budgets": {"p": [8], "q": [8]}}, "same paths"),
-        ({"strategy": "min_padding", "budgets": {"p": []}}, r"budgets\['p'\]"),
-        ({"strategy": "min_padding", "budgets": {"p": [-1, 8]}}, r"budgets\['p'\]"),
         ({"item_tokens": [{"q": 3}]}, "path 'q'"),
         ({"item_tokens": [{"p": -3}]}, r"item_tokens\[0\]\['p'\]"),
     ],
@@ -217,30 +119,23 @@ def test_errors_name_the_argument(kwargs, match):
         "item_tokens": [{"p": 3}],
         "max_items": 2,
         "max_budgets": {"p": 8},
-        "strategy": "next_fit",
-        "budgets": {"p": [4, 8]},
     }
     with pytest.raises(ValueError, match=match):
         pack_items(**(arguments | kwargs))
 
 
-def test_padded_tokens_rejects_items_on_unknown_paths():
-    with pytest.raises(ValueError, match="path 'q'"):
-        padded_tokens([[0]], [{"q": 3}], {"p": [8]})
-
-
 @st.composite
 def equal_item_problems(draw):
     """A batch of one item size repeated (a batch-first tower's batches)."""
-    items, max_items, caps, ladders = draw(problems(max_size=1))
+    items, max_items, caps = draw(problems(max_size=1))
     item = items[0] if items else {}
-    return [dict(item) for _ in range(draw(st.integers(1, 40)))], max_items, caps, ladders
+    return [dict(item) for _ in range(draw(st.integers(1, 40)))], max_items, caps
 
 
 @given(problem=equal_item_problems())
 def test_next_fit_of_equal_items_keeps_every_rule(problem):
-    items, max_items, caps, _ = problem
-    sub_batches = pack(problem, "next_fit")
+    items, max_items, caps = problem
+    sub_batches = pack(problem)
     assert [i for sub_batch in sub_batches for i in sub_batch] == list(range(len(items)))
     if is_oversize(items[0], caps):
         assert all(len(sub_batch) == 1 for sub_batch in sub_batches)

@@ -69,29 +69,19 @@ def test_blocks_with_a_forward_set_on_the_instance_are_left_alone():
     assert repeated_blocks(tower) == []
 
 
-def test_auto_compiles_the_blocks_only_when_they_hold_most_weights():
+def test_the_blocks_are_compiled_alone_only_when_they_hold_most_weights():
     heavy_blocks = StackTower(head_width=4)
     assert weight_share(list(heavy_blocks.blocks), heavy_blocks) > MIN_BLOCK_WEIGHT_SHARE
-    assert blocks_to_compile(heavy_blocks, "auto", True) == list(heavy_blocks.blocks)
+    assert blocks_to_compile(heavy_blocks, dynamic_shapes=True) == list(heavy_blocks.blocks)
     heavy_head = StackTower(head_width=400)
     assert weight_share(list(heavy_head.blocks), heavy_head) < MIN_BLOCK_WEIGHT_SHARE
-    assert blocks_to_compile(heavy_head, "auto", True) == []
-    assert blocks_to_compile(heavy_head, "blocks", True) == list(heavy_head.blocks)
-    assert blocks_to_compile(heavy_blocks, "whole", True) == []
+    assert blocks_to_compile(heavy_head, dynamic_shapes=True) == []
 
 
-def test_auto_compiles_static_shapes_whole_unless_blocks_are_asked_for():
-    tower = StackTower(head_width=4)
-    assert blocks_to_compile(tower, "auto", dynamic_shapes=False) == []
-    assert blocks_to_compile(tower, "blocks", dynamic_shapes=False) == list(tower.blocks)
-
-
-def test_blocks_scope_without_repeated_blocks_names_the_option_and_the_way_out():
-    with pytest.raises(ValueError, match=r"compile_scope='blocks'.*Linear.*'whole' or 'auto'"):
-        blocks_to_compile(nn.Linear(2, 2), "blocks", True)
-    with pytest.raises(ValueError, match=r"compile_scope must be one of auto, blocks, whole"):
-        blocks_to_compile(StackTower(), "layers", True)
-    assert blocks_to_compile(None, "auto", True) == []
+def test_static_shapes_and_towers_without_blocks_compile_whole():
+    assert blocks_to_compile(StackTower(head_width=4), dynamic_shapes=False) == []
+    assert blocks_to_compile(nn.Linear(2, 2), dynamic_shapes=True) == []
+    assert blocks_to_compile(None, dynamic_shapes=True) == []
 
 
 class CountingCompile:

@@ -179,8 +179,9 @@ def tiny_packed_vit(depth: int = 3) -> PackedViT:
 
 def test_repeated_blocks_compile_once_for_every_block_and_budget():
     torch.manual_seed(0)
-    tower, backend = tiny_packed_vit(), ShapeRecordingBackend()
-    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend=backend, scope="blocks")
+    # Six blocks hold most of the tower's weights, so they are compiled alone.
+    tower, backend = tiny_packed_vit(depth=6), ShapeRecordingBackend()
+    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend=backend)
     assert encoder.compiled_blocks.blocks == list(tower.blocks)
     manager = EncoderGraphManager(encoder, capture="first_use")
     generator = torch.Generator().manual_seed(0)
@@ -198,11 +199,11 @@ def test_repeated_blocks_compile_once_for_every_block_and_budget():
     assert not any("forward" in vars(block) for block in tower.blocks)
 
 
-def test_whole_scope_compiles_the_whole_graph_forward_in_one_attempt():
+def test_a_tower_without_repeated_blocks_compiles_whole_in_one_attempt():
     torch.manual_seed(0)
-    tower = tiny_packed_vit()
+    tower = tiny_packed_vit(depth=1)
     backend = AttemptCounter()
-    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend=backend, scope="whole")
+    encoder = CompiledEncoder(PackedEncoderAdapter(tower), backend=backend)
     assert encoder.compiled_blocks is None
     manager = EncoderGraphManager(encoder, capture="first_use")
     grid = torch.tensor([(1, 4, 6), (1, 2, 2)])
@@ -215,25 +216,21 @@ def test_whole_scope_compiles_the_whole_graph_forward_in_one_attempt():
     assert backend.attempts == 1
 
 
-def test_auto_scope_compiles_packed_blocks_and_batch_first_towers_whole():
+def test_packed_towers_compile_their_blocks_and_batch_first_towers_whole():
     packed = CompiledEncoder(PackedEncoderAdapter(PackedViT(packed_vit_small_config())), "eager")
     assert packed.compiled_blocks is not None and len(packed.compiled_blocks.blocks) == 12
     vit = build_tower(
         "vit_b_16", image_size=32, num_layers=3, num_heads=2, hidden_dim=32, mlp_dim=64
     )
-    # Static shapes: whole by default, the encoder's layers when asked for.
+    # Static shapes: one compile per budget, of the whole forward.
     assert CompiledEncoder(BatchedEncoderAdapter(vit), "eager").compiled_blocks is None
-    blocks = CompiledEncoder(BatchedEncoderAdapter(vit), "eager", scope="blocks").compiled_blocks
-    assert blocks.blocks == list(vit.encoder.layers)
 
 
 @pytest.mark.cuda
 def test_cuda_compiled_blocks_capture_matches_eager_in_bf16():
     torch.manual_seed(0)
-    tower = tiny_packed_vit(depth=2).cuda().to(torch.bfloat16)
-    manager = EncoderGraphManager(
-        PackedEncoderAdapter(tower), compile=True, compile_scope="blocks", capture="first_use"
-    )
+    tower = tiny_packed_vit(depth=6).cuda().to(torch.bfloat16)
+    manager = EncoderGraphManager(PackedEncoderAdapter(tower), compile=True, capture="first_use")
     assert manager.encoder.compiled_blocks is not None
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

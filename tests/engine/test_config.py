@@ -16,10 +16,11 @@ def test_a_path_entry_inherits_only_what_applies_to_its_own_ladder():
 
 def test_an_explicit_ladder_of_a_path_stands_alone():
     config = GraphConfig.from_options(
-        budgets={"min_budget": 8, "ladder": "auto", "k": 4}, paths={"local": {"budgets": [16, 32]}}
+        budgets={"min_budget": 8, "ladder": "geometric", "ratio": 1.5},
+        paths={"local": {"budgets": [16, 32]}},
     )
     assert config.paths["local"] == BudgetConfig(budgets=[16, 32])
-    assert config.budgets == BudgetConfig(min_budget=8, ladder="auto", k=4)
+    assert config.budgets == BudgetConfig(min_budget=8, ladder="geometric", ratio=1.5)
 
 
 def test_a_path_generating_its_ladder_drops_the_global_explicit_one():

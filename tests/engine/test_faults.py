@@ -306,17 +306,12 @@ def test_capture_errors_must_be_known():
         EncoderGraphManager(ToyEncoder(ToyTower()), capture_errors="ignore", capture="first_use")
 
 
-@pytest.mark.parametrize("ladder", ["pow2", "auto"])
-def test_the_callback_runs_eagerly_after_an_unknown_capture_error(monkeypatch, ladder):
-    # With an auto ladder the graphs are captured inside the forward of the
-    # batch that completes the sample, not before it.
+def test_the_callback_runs_eagerly_after_an_unknown_capture_error(monkeypatch):
     def exploding(self, spec):
         raise RuntimeError("capture exploded")
 
     monkeypatch.setattr(PackedEncoderAdapter, "capture_inputs", exploding)
-    callback = CUDAGraphCallback(
-        budgets={**CALLBACK_BUDGETS, "ladder": ladder}, capture="first_use"
-    )
+    callback = CUDAGraphCallback(budgets=CALLBACK_BUDGETS, capture="first_use")
     with pytest.warns(RuntimeWarning, match="capture exploded"):
         graphed = predictions(callback)
     assert callback.last_stats["hits"] == 0 and callback.last_stats["items"] == 12

@@ -19,16 +19,14 @@ from lightning_cg.engine.replay import relative_error
 LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 100]
 MANAGERS = {
     "full": dict(mode="full"),
-    "full/min_padding/max_items_per_batch=3": dict(
-        mode="full", packing="min_padding", max_items_per_batch=3
-    ),
+    "full/max_items_per_batch=3": dict(mode="full", max_items_per_batch=3),
     "full/geometric/frames=4": dict(
         mode="full",
         budgets=BudgetConfig(ladder="geometric", min_budget=8, max_budget=64, ratio=1.5, align=4),
         max_frames_per_batch=4,
     ),
     "full/explicit": dict(mode="full", budgets=BudgetConfig(budgets=[8, 24, 64])),
-    "full_uniform_only": dict(mode="full_uniform_only", uniform_item_counts=[1, 2, 3, 4, 8]),
+    "full_uniform_only": dict(mode="full_uniform_only"),
     "piecewise": dict(mode="piecewise"),
     "full_and_piecewise": dict(mode="full_and_piecewise"),
     "none": dict(mode="none"),

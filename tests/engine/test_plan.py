@@ -48,16 +48,6 @@ def test_a_plan_cannot_be_changed_in_place():
         manager.plans.plan.max_items = 1
 
 
-def test_a_learned_ladder_replaces_the_plan_and_its_call_plans():
-    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets={"ladder": "auto"})
-    before = manager.plans.plan
-    planned = call_plan(manager, [20, 90])
-    manager.learn_budgets([[{"local": 20}, {"local": 90}], [{"local": 33}]])
-    assert manager.plans.plan is not before
-    assert before.paths["local"].budgets != manager.paths["local"].budgets
-    assert call_plan(manager, [20, 90]) is not planned
-
-
 def test_a_fault_replaces_the_plan_and_the_next_call_is_planned_anew():
     tower = ToyTower().eval()
     encoder = FailingEncoder(
@@ -100,11 +90,10 @@ def test_a_coarser_generated_ladder_becomes_geometric_at_compiled_ratio(choice):
         BudgetConfig(ladder="geometric", ratio=1.03),  # already finer
         BudgetConfig(ladder="geometric", ratio=1.05),
         BudgetConfig(budgets=[64, 256, 1024]),  # the user's explicit ladder
-        BudgetConfig(ladder="auto"),  # learned from the data
         BudgetConfig(ladder="pow2", compiled_ratio=None),  # asked to keep it
     ],
 )
-def test_finer_explicit_auto_and_opted_out_ladders_are_kept(choice):
+def test_finer_explicit_and_opted_out_ladders_are_kept(choice):
     assert compiled_choice(choice) is choice
 
 
