@@ -166,8 +166,7 @@ def _predict(
     if settings.check:
         tol = settings.check_tolerance
         tol = tolerance(settings.trainer.precision) if tol is None else tol
-        # A multiscale run may meet sides that the runs before it did not: only outputs count.
-        check = check_runs(workload.name, count, repeats, tol, not workload.multiscale)
+        check = check_runs(workload.name, count, repeats, tol)
     return rows, check
 
 

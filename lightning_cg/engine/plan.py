@@ -318,11 +318,6 @@ def plan_paths(
     return Plan(plans, max_items, config.mode)
 
 
-def next_pow2(count: int) -> int:
-    """The smallest power of two >= ``count``."""
-    return 1 << (count - 1).bit_length()
-
-
 def pow2_counts(max_items: int) -> list[int]:
     """1, 2, 4, ... below ``max_items``, then ``max_items``."""
     counts = [1]
