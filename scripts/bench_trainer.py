@@ -7,7 +7,7 @@ method (``first`` and ``second`` run: one module, one callback, one Trainer)
 and sums the tower seconds of each run; fit workloads train for a few epochs
 with a validation loop each epoch and sum the validation tower seconds.
 A multiscale workload (``multiscale/resnet50/batch_16``) runs ``trainer.validate``
-three times (``first``, ``second`` and ``third`` run: one module, one callback,
+four times (``first`` to ``fourth`` run: one module, one callback,
 one Trainer) on batches whose image side cycles through 224, 256, 288 and 320
 (batch ``i`` has side ``sides[i % 4]``; ``--tiny``: 32, 40, 48, 56).
 
@@ -27,7 +27,7 @@ precision allows (relative norm: 2e-2 under bf16-mixed, 1e-4 in 32-true;
         --methods eager callback
     python scripts/bench_trainer.py --workloads fit/vit_b_16/batch_8 --fit-epochs 5
     python scripts/bench_trainer.py --workloads multiscale/resnet50/batch_16 \\
-        --check                                         # 48 batches of 4 sides, validated 3 times
+        --check                                         # 48 batches of 4 sides, validated 4 times
     python scripts/bench_trainer.py --workloads vit_b_16/batch_8 --batches 100 --check
     python scripts/bench_trainer.py --workloads vit_b_16/batch_1 --batches 10 --repeats 5 \
         --methods eager callback                        # the median of 5 fresh repeats
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + " ".join([*PREDICT_WORKLOADS, *FIT_WORKLOADS])
         + "; the transformers towers (called as their users call them): "
         + " ".join(HF_WORKLOADS)
-        + "; validation over images of four sides, three trainer.validate runs: "
+        + "; validation over images of four sides, four trainer.validate runs: "
         + " ".join(MULTISCALE_WORKLOADS),
     )
     parser.add_argument(

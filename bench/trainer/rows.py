@@ -76,6 +76,7 @@ _RUNS = {
     "second": ("second", "reused"),
     "second_fresh": ("second", "fresh"),
     "third": ("third", "reused"),
+    "fourth": ("fourth", "reused"),
 }
 
 

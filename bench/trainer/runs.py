@@ -5,8 +5,8 @@ weights), its own :class:`~bench.trainer.module.UserModule` and Trainer, and
 runs ``trainer.predict`` twice on one set of batches: the first run pays for
 capture or compilation, the second shows what a later run costs. With a fresh
 Trainer it also runs a third time on a new Trainer (same module and callback).
-A multiscale workload runs ``trainer.validate`` three times the same way
-(``first``, ``second``, ``third``), keeping the tower outputs of its steps.
+A multiscale workload runs ``trainer.validate`` four times the same way
+(``first`` to ``fourth``), keeping the tower outputs of its steps.
 A fit runs ``trainer.fit`` with a validation loop each epoch.
 """
 
@@ -30,7 +30,7 @@ from lightning_cg import CUDAGraphCallback
 EAGER, CALLBACK, COMPILE = "eager", "callback", "compile"
 METHODS = (EAGER, CALLBACK, COMPILE)
 #: The runs of :func:`validate_runs`, in order.
-VALIDATE_RUNS = ("first", "second", "third")
+VALIDATE_RUNS = ("first", "second", "third", "fourth")
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def validate_runs(
     method: str,
     settings: TrainerSettings,
 ) -> dict[str, PredictRun]:
-    """The ``first``, ``second`` and ``third`` validation runs of ``method``:
-    one module, one callback and one Trainer, ``trainer.validate`` three times.
+    """The ``first`` to ``fourth`` validation runs of ``method``:
+    one module, one callback and one Trainer, ``trainer.validate`` four times.
 
     Each run's outputs are the tower outputs of its validation steps (one
     embedding per image, batch by batch), as a predict run returns them.

@@ -1,7 +1,7 @@
 """The whole Trainer benchmark: every workload, run length and method, rows to a JSON file.
 
 Predict workloads run :func:`~bench.trainer.runs.predict_runs`, multiscale ones
-:func:`~bench.trainer.runs.validate_runs` (three ``trainer.validate`` runs),
+:func:`~bench.trainer.runs.validate_runs` (four ``trainer.validate`` runs),
 each for every run length of ``batches`` (or, without it, the workload's own
 :attr:`~bench.trainer.workloads.Workload.default_batches`); fit workloads
 :func:`~bench.trainer.runs.fit_runs`. With ``check``, each workload's runs are
@@ -53,7 +53,7 @@ class BenchSettings:
 
     Attributes:
         workloads: in run order; fit workloads run ``trainer.fit``, multiscale
-            ones ``trainer.validate`` three times.
+            ones ``trainer.validate`` four times.
         batches: run lengths of the predict and multiscale workloads, in
             batches; None: each workload's own (``Workload.default_batches``).
         methods: ``eager``, ``callback``, ``compile`` (fits run eager and callback only).

@@ -3,7 +3,7 @@
 A workload name is ``<tower>/batch_<n>`` (same-size images of a batch-first
 tower), ``<tower>/mixed_batch_<n>`` (images of mixed sizes for a packed tower),
 either prefixed with ``fit/`` (``trainer.fit`` with validation each epoch), or
-``multiscale/<tower>/batch_<n>`` (``trainer.validate`` three times on batches of
+``multiscale/<tower>/batch_<n>`` (``trainer.validate`` four times on batches of
 same-size images whose side cycles through :attr:`Sizes.multiscale_sides`:
 batch ``i`` has side ``sides[i % len(sides)]``; a tower of
 :data:`MULTISCALE_TOWERS`, one that takes any image side).
@@ -82,7 +82,7 @@ class Workload:
         batch_size: images per batch.
         mixed: images of mixed sizes, packed (packed towers) instead of same-size.
         fit: ``trainer.fit`` with validation each epoch instead of ``trainer.predict``.
-        multiscale: ``trainer.validate`` three times on same-size batches whose
+        multiscale: ``trainer.validate`` four times on same-size batches whose
             side cycles through :attr:`Sizes.multiscale_sides`, instead of ``trainer.predict``.
     """
 

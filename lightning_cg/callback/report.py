@@ -66,7 +66,9 @@ def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_c
             f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
             f"padding waste {stats['padding_waste']:.1%}, "
             f"{stats['graphs_captured']:.0f} graphs captured in "
-            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held)" + _compiling(stats)
+            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held; memory: pool "
+            f"{stats['pool_bytes'] / 2**20:.0f} MiB, weight copies "
+            f"{stats['weight_copy_bytes'] / 2**20:.0f} MiB)" + _compiling(stats)
         )
 
 

@@ -12,6 +12,7 @@ class GraphStats:
     A hit is one path of one sub-batch served by a graph, a miss one run eagerly (split
     by reason in ``eager_*``). Graphs count CUDA graphs held (one per FULL key, one per
     piece of a PIECEWISE key). Pool bytes: reserved CUDA memory growth while capturing.
+    Weight copy bytes: the low-precision weight copies graphs read (held while graphs are).
     Host seconds: replays' host time (nothing waits for the GPU); launch seconds: its
     graph-launch part. Compile seconds: a compiled encoder's first forwards (part of
     capture). Checked replays: replays also run eagerly to compare.
@@ -27,6 +28,7 @@ class GraphStats:
     capture_seconds: float = 0.0
     capture_seconds_run: float = 0.0
     pool_bytes: int = 0
+    weight_copy_bytes: int = 0
     sub_batches: int = 0
     items: int = 0
     tokens: int = 0
@@ -43,7 +45,7 @@ class GraphStats:
     checked_tokens: int = 0
 
     #: Counters that describe what is held, not what a run did: kept by reset_run.
-    LIFETIME = ("graphs", "capture_seconds", "pool_bytes", "compile_seconds")
+    LIFETIME = ("graphs", "capture_seconds", "pool_bytes", "weight_copy_bytes", "compile_seconds")
 
     @property
     def hit_rate(self) -> float:

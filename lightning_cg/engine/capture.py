@@ -98,6 +98,7 @@ class GraphCapturer:
         stats.pool_bytes += max(0, _reserved_bytes() - reserved_before)
         stats.graphs_captured += max(0, self.cache.num_cuda_graphs - graphs_before)
         stats.graphs = self.cache.num_cuda_graphs
+        stats.weight_copy_bytes = 0 if self.weight_casts is None else self.weight_casts.nbytes
         return seconds
 
     def _capture_recovering(self, keys: list[GraphKey]) -> None:

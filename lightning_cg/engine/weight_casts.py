@@ -79,6 +79,15 @@ class WeightCasts:
         """Drop every copy (the graphs that read them are gone)."""
         self._copies.clear()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of GPU (or host) memory the copies hold, over every dtype."""
+        return sum(
+            copy.low.numel() * copy.low.element_size()
+            for copies in self._copies.values()
+            for copy in copies
+        )
+
     def _copies_for(self, dtype: torch.dtype) -> list[_Copy]:
         if dtype not in self._copies:
             self._copies[dtype] = list(self._make_copies(dtype))

@@ -23,3 +23,8 @@ def test_a_run_that_compiled_says_what_compiling_cost(monkeypatch, compiled):
     line = report(monkeypatch, capture_seconds_run=6.5, compile_seconds_run=compiled)
     assert "90 graph replays" in line and "3 graphs captured in 6.50 s" in line
     assert ("5.25 s of it compiling the graph forward" in line) == bool(compiled)
+
+
+def test_the_line_tells_the_graphs_memory(monkeypatch):
+    line = report(monkeypatch, pool_bytes=300 * 2**20, weight_copy_bytes=165 * 2**20)
+    assert "3 held; memory: pool 300 MiB, weight copies 165 MiB" in line

@@ -98,6 +98,22 @@ def test_clear_drops_the_copies(tower_and_images):
         torch.testing.assert_close(bf16_forward(tower, images), expected, rtol=0, atol=0)
 
 
+def test_nbytes_counts_the_copies_of_every_dtype(tower_and_images):
+    tower, _ = tower_and_images
+    casts = WeightCasts(tower)
+    assert casts.nbytes == 0
+    served = [tower.conv.weight, tower.conv.bias, tower.linear.weight, tower.linear.bias]
+    elements = sum(parameter.numel() for parameter in served)
+    with casts.swapped_in(torch.bfloat16):
+        pass
+    assert casts.nbytes == 2 * elements
+    with casts.swapped_in(torch.float16):
+        pass
+    assert casts.nbytes == 4 * elements
+    casts.clear()
+    assert casts.nbytes == 0
+
+
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_no_copies_where_nothing_is_cast(tower_and_images, dtype):
     tower, _ = tower_and_images
@@ -180,6 +196,28 @@ def test_graphs_read_copies_refreshed_at_each_run():
     for graphed, eager, hits in predict_twice_with_new_weights(tower, images):
         assert hits > 0
         assert relative_error(graphed, eager) < 1e-2
+
+
+@pytest.mark.cuda
+def test_the_stats_count_the_copies_the_graphs_read_until_cleared():
+    from lightning_cg.adapters.batched import BatchedEncoderAdapter
+    from lightning_cg.engine.manager import EncoderGraphManager
+
+    torch.manual_seed(0)
+    tower = Tower().eval().cuda()
+    manager = EncoderGraphManager(BatchedEncoderAdapter(tower), capture="first_use")
+    manager.begin_run()
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        manager.execute(
+            manager.encoder.inputs_from_call((torch.randn(4, 3, 6, 6, device="cuda"),), {})
+        )
+    served = [tower.conv.weight, tower.conv.bias, tower.linear.weight, tower.linear.bias]
+    assert manager.stats.hits > 0
+    assert manager.stats.weight_copy_bytes == 2 * sum(p.numel() for p in served)
+    manager.begin_run()
+    assert manager.stats.weight_copy_bytes > 0  # held across runs with the graphs
+    manager.clear()
+    assert manager.stats.weight_copy_bytes == 0
 
 
 @pytest.mark.cuda

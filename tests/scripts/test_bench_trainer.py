@@ -221,12 +221,13 @@ def test_every_method_on_cuda(tmp_path):
     assert first["graphs_captured"] > 0 and first["capture_s"] > 0
 
 
-def test_multiscale_validates_three_times_on_batches_of_every_side(tmp_path, one_thread, capsys):
+def test_multiscale_validates_four_times_on_batches_of_every_side(tmp_path, one_thread, capsys):
     rows = bench_trainer_here(tmp_path, *TINY_MULTISCALE, "--check")
     assert [(row["run"], row["trainer"]) for row in rows] == [
         ("first", "reused"),
         ("second", "reused"),
         ("third", "reused"),
+        ("fourth", "reused"),
     ]
     for row in rows:
         assert row["workload"] == "multiscale/resnet50/batch_2" and row["batches"] == 4
@@ -237,7 +238,7 @@ def test_multiscale_validates_three_times_on_batches_of_every_side(tmp_path, one
         assert row["callback_stats"]["items"] == 8  # every image of the run went through it
         assert row["callback_max_rel_diff"] < 1e-4
     out = capsys.readouterr().out
-    assert "multiscale/resnet50/batch_2 4 batches, third run (reused trainer)" in out
+    assert "multiscale/resnet50/batch_2 4 batches, fourth run (reused trainer)" in out
     assert "sides 32/40/48/56" in out
     assert "check ok: multiscale/resnet50/batch_2 4 batches: graphs captured per run" in out
 
@@ -252,7 +253,7 @@ def test_multiscale_batches_cycle_through_the_sides_and_validation_keeps_outputs
     assert all(batch["images"].is_contiguous() for batch in batches)
     assert [batch["images"].shape[-1] for batch in batches.shape_examples()] == [32, 40, 48, 56]
     runs = validate_runs(tower, batches, "eager", CPU)
-    assert list(runs) == ["first", "second", "third"]
+    assert list(runs) == ["first", "second", "third", "fourth"]
     with torch.inference_mode():
         expected = [tower(batch["images"]) for batch in batches]
     for run in runs.values():
