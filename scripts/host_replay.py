@@ -1,4 +1,4 @@
-"""Host microseconds per graph replay of EncoderGraphManager (issue 15's host-time target).
+"""Host microseconds per graph replay of EncoderGraphManager: the manager's own work per call.
 
     python scripts/host_replay.py                   # table: batched / packed, batch 1 and 8
     python scripts/host_replay.py --profile packed8 # cProfile of the timed passes of one case
@@ -9,7 +9,7 @@ Every key is captured at first use (prepared on CPU), then each graph's run is
 replaced by one returning its output buffer, so what is timed is the manager's
 own work around the launch: replay_inputs, fill/padding, copies, clone.
 On CUDA, graph.run is kept (the real replay) unless --no-forward is given;
-the table's "own" column is the host time less the launch's (issue 15's figure).
+the table's "own" column is the host time less the launch's.
 """
 
 import argparse

@@ -11,7 +11,7 @@ import torch
 from bench.main import main
 from bench.timing import CPU_PATH, NEEDS_CUDA, ROW_KEYS
 
-#: What issue 4 asks every row to carry.
+#: What every row must carry.
 REQUIRED_KEYS = (
     "workload",
     "method",
