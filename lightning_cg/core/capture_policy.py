@@ -2,9 +2,7 @@
 
 A key is captured once a graph is expected to gain and either the calls known to come
 repay its capture, or the eager time spent on it reaches its capture cost (ski rental).
-A graph measured slower than its key's fastest recent eager run sends the key back to
-eager; a graph not clearly faster is timed against one eager run in each run, since a
-run's first eager calls on shapes new to the process pay one-time costs.
+A graph measured slower than its key's eager runs sends the key back to eager.
 """
 
 from __future__ import annotations
@@ -13,11 +11,8 @@ import statistics
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-#: Timings kept per key and kind: the first replays, the latest eager runs.
+#: Timings kept per key and kind; the median of them is used.
 SAMPLES = 3
-#: A graph measured above this share of its key's eager time is checked against one
-#: eager run in each run.
-CHECK_RATIO = 0.5
 #: Sightings of a key before it may be captured: the first one's eager time arrives late.
 MIN_SIGHTINGS = 2
 #: Graph time / eager time of a full budget, assumed before the path tells more.
@@ -61,8 +56,6 @@ class KeyRecord:
     capture_ratio: float | None = None
     median_eager_per_token: float | None = None
     graph: float | None = None
-    #: The run in which the key last ran eagerly to check its graph.
-    checked_run: int | None = None
 
     @property
     def eager(self) -> float | None:
@@ -70,13 +63,6 @@ class KeyRecord:
         if self.median_eager_per_token is None or not self.sightings:
             return None
         return self.median_eager_per_token * self.real_tokens / self.sightings
-
-    @property
-    def fastest_eager(self) -> float | None:
-        """:attr:`eager` at the key's fastest recent eager run: one-time costs only add."""
-        if not self.eager_seconds_per_token or not self.sightings:
-            return None
-        return min(self.eager_seconds_per_token) * self.real_tokens / self.sightings
 
     @property
     def padding_factor(self) -> float:
@@ -137,7 +123,6 @@ class CapturePolicy:
         self._paths: dict[str, PathCosts] = {}
         self._calls = 0
         self._run_calls = 0
-        self._runs = 0
         self._expected_calls: int | None = None
         self._later_runs = 0
 
@@ -146,7 +131,6 @@ class CapturePolicy:
         (None: unknown)."""
         self._expected_calls = expected_calls
         self._run_calls = 0
-        self._runs += 1
         self._later_runs = later_runs or 0
         for record in self._keys.values():
             record.spent_before_run = record.eager_spent
@@ -168,8 +152,9 @@ class CapturePolicy:
             counts.add(tokens)
 
     def wants_eager_timing(self, key: Hashable) -> bool:
-        """Whether an eager run of ``key`` should be timed: every run of a sighted key."""
-        return key in self._keys
+        """Whether an eager run of ``key`` should be timed."""
+        record = self._keys.get(key)
+        return record is not None and len(record.eager_seconds_per_token) < SAMPLES
 
     def wants_graph_timing(self, key: Hashable) -> bool:
         """Whether a replay of ``key`` should be timed."""
@@ -180,7 +165,6 @@ class CapturePolicy:
         """An eager run of ``key`` on ``tokens`` real tokens took ``seconds``."""
         record = self._keys[key]
         record.eager_seconds_per_token.append(seconds / max(tokens, 1))
-        del record.eager_seconds_per_token[:-SAMPLES]
         record.median_eager_per_token = statistics.median(record.eager_seconds_per_token)
 
     def record_eager_call(self, path: str, tokens: int, seconds: float) -> None:
@@ -226,31 +210,11 @@ class CapturePolicy:
         return WAIT
 
     def slower_than_eager(self, key: Hashable) -> bool:
-        """Whether ``key``'s graph was measured slower than its fastest recent eager run."""
+        """Whether ``key``'s graph was measured slower than its eager runs."""
         record = self._keys.get(key)
-        if not self._graph_measured(record):
+        if record is None or not self.drop_slower_graphs or record.eager is None:
             return False
-        return record.graph > record.fastest_eager
-
-    def takes_eager_check(self, key: Hashable) -> bool:
-        """Whether this sighting of ``key`` runs eagerly to time eager against its graph:
-        once a run, for a graph measured above :data:`CHECK_RATIO` of eager."""
-        record = self._keys.get(key)
-        if not self._graph_measured(record) or record.checked_run == self._runs:
-            return False
-        if record.graph < CHECK_RATIO * record.fastest_eager:
-            return False
-        record.checked_run = self._runs
-        return True
-
-    def _graph_measured(self, record: KeyRecord | None) -> bool:
-        """Whether ``record``'s graph and eager runs are timed enough to compare."""
-        return (
-            record is not None
-            and self.drop_slower_graphs
-            and record.fastest_eager is not None
-            and len(record.graph_seconds) >= SAMPLES
-        )
+        return len(record.graph_seconds) >= SAMPLES and record.graph > record.eager
 
     def known_sightings(self, record: KeyRecord) -> float:
         """The key's expected sightings in the rest of this run and the runs known to follow."""

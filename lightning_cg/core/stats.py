@@ -40,7 +40,6 @@ class GraphStats:
     eager_policy: int = 0  # the capture policy expects no gain from a graph of the key
     eager_above_budget: int = 0  # more tokens than the largest budget
     eager_measured_slower: int = 0  # the key's graph was measured slower than eager
-    eager_checking: int = 0  # timed against the key's graph (once a run, a graph not 2x eager)
     eager_rows_interact: int = 0  # the key's padded graph differed from eager: rows interact
     checked_replays: int = 0
     checked_tokens: int = 0

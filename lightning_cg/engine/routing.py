@@ -119,8 +119,6 @@ class Router:
         if graph is not None:
             if self.policy.slower_than_eager(key):
                 return None, "measured_slower"
-            if self.policy.takes_eager_check(key):
-                return None, "checking"
             return graph, ""
         # Only finished timings: waiting for the rest would stall the host behind the GPU.
         self.timer.collect()

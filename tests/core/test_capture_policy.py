@@ -9,7 +9,6 @@ from toy_encoder import ToyEncoder, ToyTower
 from lightning_cg.core import capture_policy
 from lightning_cg.core.capture_policy import (
     CAPTURE,
-    CHECK_RATIO,
     FIRST_CAPTURE_FACTOR,
     MIN_SIGHTINGS,
     NO_GAIN,
@@ -211,35 +210,6 @@ def test_slower_than_eager_needs_enough_replays_and_can_be_turned_off():
         assert policy.slower_than_eager("a") is expected
 
 
-def test_the_fastest_of_the_latest_eager_runs_judges_a_graph():
-    # A run's first eager calls on new shapes pay one-time costs: they give way to later runs.
-    policy = policy_for(expected_calls=100)
-    for _ in range(SAMPLES):
-        see(policy, "a", eager_s=0.050)
-    for _ in range(SAMPLES):
-        policy.record_replay("a", 0.020)
-    assert not policy.slower_than_eager("a")
-    see(policy, "a", eager_s=0.015)  # a warm eager run
-    assert policy.slower_than_eager("a")
-    for _ in range(SAMPLES):
-        see(policy, "a", eager_s=0.050)  # only the latest eager runs count
-    assert not policy.slower_than_eager("a")
-
-
-@pytest.mark.parametrize("graph_s, checked", [(0.020, True), (0.010, False)])
-def test_a_graph_not_clearly_faster_than_eager_is_checked_once_a_run(graph_s, checked):
-    policy = policy_for(expected_calls=100)
-    see(policy, "a", eager_s=0.030)
-    assert not policy.takes_eager_check("a")  # no replay timed yet
-    for _ in range(SAMPLES):
-        policy.record_replay("a", graph_s)
-    assert (graph_s >= CHECK_RATIO * 0.030) is checked
-    assert policy.takes_eager_check("a") is checked
-    assert not policy.takes_eager_check("a")  # once a run
-    policy.begin_run(expected_calls=100)
-    assert policy.takes_eager_check("a") is checked
-
-
 def test_eager_time_follows_the_real_tokens_a_key_serves():
     # A graph computes its whole budget; eager only the real tokens. Timed on a
     # full sub-batch, eager looks slow; the key mostly serves quarter-full ones.
@@ -425,39 +395,6 @@ def test_manager_sends_a_key_whose_graph_is_slower_back_to_eager():
         torch.testing.assert_close(output, expected)
     stats = manager.stats
     assert (stats.eager_no_graph_yet, stats.hits, stats.eager_measured_slower) == (1, SAMPLES, 2)
-
-
-def test_manager_finds_a_graph_slower_than_warm_eager_runs_in_the_next_run():
-    class ColdEager(ToyEncoder):
-        """Eager calls pay one-time costs in the first run (new shapes), then run fast."""
-
-        cold = True
-
-        def eager_forward(self, path, inputs):
-            time.sleep(0.03 if self.cold else 0.0)
-            return super().eager_forward(path, inputs)
-
-        def graph_forward(self, path, buffers):
-            time.sleep(0.02)
-            return super().graph_forward(path, buffers)
-
-    tower, manager, inputs, expected = toy_manager()
-    encoder = ColdEager(tower)
-    manager = type(manager)(encoder, budgets={"budgets": [16, 64]})
-    manager.begin_run(expected_calls=100)
-    # Call 1 eager, call 2 captures, 3 replays timed; call 5 checks against a (cold)
-    # eager run, which the graph beats; later calls replay.
-    for output in run_calls(manager, inputs, 8):
-        torch.testing.assert_close(output, expected)
-    stats = manager.stats
-    assert (stats.eager_no_graph_yet, stats.eager_checking, stats.hits) == (1, 1, 6)
-    assert stats.eager_measured_slower == 0
-    # The next run's check meets a warm eager run: the graph is slower, the key goes eager.
-    encoder.cold = False
-    manager.begin_run(expected_calls=3)
-    for output in run_calls(manager, inputs, 3):
-        torch.testing.assert_close(output, expected)
-    assert (stats.eager_checking, stats.eager_measured_slower, stats.hits) == (1, 2, 0)
 
 
 def test_upfront_captures_each_paths_whole_ladder_at_its_first_call():
