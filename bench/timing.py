@@ -139,3 +139,17 @@ def empty_row(workload: Workload, method: str, settings: BenchSettings) -> dict[
         note="",
     )
     return row
+
+
+def time_ms(run: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
+    """Mean milliseconds of ``run()`` back to back on the current CUDA stream (CUDA events)."""
+    for _ in range(warmup):
+        run()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats

@@ -21,7 +21,7 @@ except ImportError:  # a checkout that is not pip-installed: import it from the 
 import torch
 from torch.nn.attention.varlen import varlen_attn
 
-from lightning_cg.engine.call_timer import time_ms
+from bench.timing import time_ms
 
 HEADS, HEAD_DIM = 12, 64
 CALLS_PER_GRAPH, REPLAYS = 20, 10

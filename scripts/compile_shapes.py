@@ -22,8 +22,8 @@ import time
 
 import torch
 
+from bench.timing import time_ms
 from examples.models.packed_vit import PackedViT, packed_vit_small_config, patchify
-from lightning_cg.engine.call_timer import time_ms
 
 REPLAYS, TIMINGS = 50, 5
 #: Three images of the stream workload's sizes.

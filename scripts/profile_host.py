@@ -43,6 +43,7 @@ from bench.methods import (  # noqa: E402
     graph_method,
 )
 from bench.settings import BenchSettings, resolve_settings  # noqa: E402
+from bench.timing import time_ms  # noqa: E402
 from bench.workloads import (  # noqa: E402
     STREAM,
     Workload,
@@ -50,7 +51,6 @@ from bench.workloads import (  # noqa: E402
     stream_workload,
     tower_workloads,
 )
-from lightning_cg.engine.call_timer import time_ms  # noqa: E402
 
 ROWS = 25
 AGAINST = {"exact": exact_method, "compile": compile_method, "eager": eager_method}
@@ -148,8 +148,11 @@ def main(config: DictConfig) -> None:
     profile_pass(runner.step, batches, settings.warmup, kernels=False)
     runner.manager.reset_stats()
     graphed = profile_pass(runner.step, batches, 0, kernels=False)
-    host_us = runner.manager.stats.host_us_per_replay
-    print(f"{workload.name}: {batches} batches, host us per replay {host_us:.0f}")
+    stats = runner.manager.stats
+    print(
+        f"{workload.name}: {batches} batches, graphs {stats.graphs}, replays {stats.hits}, "
+        f"eager sub-batches {stats.misses}, host us per replay {stats.host_us_per_replay:.0f}"
+    )
     print(graphed.key_averages().table(sort_by="self_cpu_time_total", row_limit=ROWS))
     if not kernels:
         return

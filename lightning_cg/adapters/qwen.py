@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from lightning_cg.adapters import join_rows
-from lightning_cg.adapters.packed import LOCAL_PATH, Grid, PackedInputs, PackedLadders
+from lightning_cg.adapters.packed import LOCAL_PATH, PackedInputs, PackedLadders
+from lightning_cg.adapters.packed_call import Grid
 from lightning_cg.adapters.row_outputs import TokenLayout
 from lightning_cg.engine.attention import sequence_attention, varlen_supported
 from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig
