@@ -96,13 +96,17 @@ def adapter_name_by_type(tower: nn.Module) -> str | None:
     return None
 
 
-def takes_packed_patches(tower: nn.Module) -> bool:
-    """Whether the class ``forward`` (no instance wrapper) starts ``pixel_patches, grid_thw``."""
+def forward_parameters(tower: nn.Module) -> list[str]:
+    """Parameter names of the class ``forward`` (no instance wrapper); [] where unreadable."""
     try:
-        parameters = list(inspect.signature(type(tower).forward).parameters)
+        return list(inspect.signature(type(tower).forward).parameters)
     except (TypeError, ValueError):
-        return False
-    return parameters[1:3] == ["pixel_patches", "grid_thw"]
+        return []
+
+
+def takes_packed_patches(tower: nn.Module) -> bool:
+    """Whether the class ``forward`` starts ``pixel_patches, grid_thw`` (after ``self``)."""
+    return forward_parameters(tower)[1:3] == ["pixel_patches", "grid_thw"]
 
 
 def as_slice(indices: Sequence[int]) -> slice | None:

@@ -70,15 +70,11 @@ class BatchedEncoderAdapter:
         elif not args and len(kwargs) == 1 and self._input_name in kwargs:
             x = kwargs[self._input_name]
         else:
-            raise ValueError(
-                self._convention_message(
-                    f"got {len(args)} positional arguments and keyword arguments {sorted(kwargs)}"
-                )
-            )
+            got = f"got {len(args)} positional arguments and keyword arguments {sorted(kwargs)}"
+            raise ValueError(self._convention_message(got))
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
-            raise ValueError(
-                self._convention_message(f"got {type(x).__name__} instead of a batch tensor")
-            )
+            got = f"got {type(x).__name__} instead of a batch tensor"
+            raise ValueError(self._convention_message(got))
         return x
 
     def item_specs(self, inputs: torch.Tensor) -> list[ItemSpec]:

@@ -101,9 +101,7 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         shared_inputs: names of tensor arguments for the whole batch. A tensor named in
             neither is per item when its first dimension is the batch size.
 
-    Raises:
-        ImportError: transformers is not installed.
-        TypeError: the tower's forward takes no argument to carry the pixels.
+    Raises ImportError without transformers, TypeError for a forward with no pixel argument.
     """
 
     def __init__(
@@ -140,28 +138,21 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         arguments = self._bind(args, kwargs)
         pixels = arguments.pop(self._input_name, None)
         if not isinstance(pixels, torch.Tensor) or pixels.dim() < 1:
-            raise ValueError(
-                self._convention_message(
-                    f"{self._input_name} is {type(pixels).__name__}, not a batch tensor"
-                )
-            )
+            got = f"{self._input_name} is {type(pixels).__name__}, not a batch tensor"
+            raise ValueError(self._convention_message(got))
         per_item: dict[str, torch.Tensor] = {}
         shared: dict[str, torch.Tensor] = {}
         options: dict[str, Hashable] = {}
         for name, value in arguments.items():
             if isinstance(value, torch.Tensor):
                 rows_match = value.dim() > 0 and value.shape[0] == len(pixels)
-                if (
-                    name in self.per_item_inputs
-                    and name not in self.shared_inputs
-                    and not rows_match
-                ):
+                batched = rows_match and name not in self.shared_inputs
+                if name in self.per_item_inputs and name not in self.shared_inputs and not batched:
                     raise ValueError(
                         f"{name} has shape {list(value.shape)}; as a per-item input it needs "
                         f"{len(pixels)} rows, one per row of {self._input_name}"
                     )
-                per_item_input = rows_match and name not in self.shared_inputs
-                (per_item if per_item_input else shared)[name] = value
+                (per_item if batched else shared)[name] = value
             else:
                 try:
                     hash(value)
@@ -256,16 +247,12 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         arguments: dict[str, Any] = {}
         for name, value in bound.arguments.items():
             kind = self._call.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL and value:
+                extra = f"{len(value)} extra positional arguments for *{name}"
+                raise ValueError(self._convention_message(extra))
             if kind is inspect.Parameter.VAR_KEYWORD:
                 arguments.update(value)
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
-                if value:
-                    raise ValueError(
-                        self._convention_message(
-                            f"{len(value)} extra positional arguments for *{name}"
-                        )
-                    )
-            else:
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
                 arguments[name] = value
         return arguments
 

@@ -1,12 +1,10 @@
 """GraphableEncoder for the Qwen vision towers of transformers, called as their models call them.
 
 ``visual(hidden_states, grid_thw, **options)`` of Qwen2-VL, Qwen2.5-VL and Qwen3-VL(-MoE), on
-one path, ``local``: the tower's own forward with its ``grid_thw`` metadata precomputed on the
-host by transformers' own helpers (``transformers.vision_utils``, which the towers call
-themselves, so a graph's metadata is exactly the eager forward's). The towers pass
-``cu_seqlens`` to attention only for an implementation named "flash"; others split sequences
-on the host, a sync no graph can hold: attention runs through :data:`ATTENTION_NAME`, a name
-registered with ``transformers.AttentionInterface``.
+one path, ``local``, its ``grid_thw`` metadata precomputed on the host by the helpers the towers
+call themselves (``transformers.vision_utils``). The towers pass ``cu_seqlens`` to attention only
+for an implementation named "flash" (others split sequences on the host, a sync no graph can
+hold), so attention runs through :data:`ATTENTION_NAME`, registered with ``AttentionInterface``.
 """
 
 from __future__ import annotations
@@ -306,11 +304,8 @@ def packed_attention_forward(
     max_length_q: int | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention within each sequence of ``cu_seq_lens_q`` (keys share them), for transformers.
-
-    ``query``, ``key``, ``value``: ``(1, heads, rows, head_dim)``; returns
-    ``(1, rows, heads, head_dim)`` and no weights. ``max_length_q`` bounds the longest sequence.
-    """
+    """Attention within each sequence of ``cu_seq_lens_q`` (keys share them), for transformers:
+    ``(1, heads, rows, head_dim)`` inputs, ``(1, rows, heads, head_dim)`` and no weights out."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(
             f"attention implementation {ATTENTION_NAME!r} needs cu_seq_lens_q and max_length_q "
@@ -326,10 +321,8 @@ def packed_attention_forward(
 
 @contextmanager
 def _packed_attention(configs: list[object]) -> Iterator[None]:
-    """Run attention through :data:`ATTENTION_NAME` inside the block, then restore ``configs``.
-
-    Set directly: ``set_attn_implementation`` would look the unknown name up on the Hub.
-    """
+    """Run attention through :data:`ATTENTION_NAME` inside the block, then restore ``configs``
+    (set directly: ``set_attn_implementation`` would look the unknown name up on the Hub)."""
     previous = [(config, config._attn_implementation) for config in configs]
     try:
         for config, _ in previous:

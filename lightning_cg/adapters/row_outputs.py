@@ -38,11 +38,6 @@ class RowField:
     rows_per_token: int
     width: int
 
-    @property
-    def row_width(self) -> int:
-        """Columns this field takes in a token's row."""
-        return self.count * self.rows_per_token * self.width
-
 
 @dataclass(frozen=True)
 class TokenLayout:
@@ -54,7 +49,7 @@ class TokenLayout:
     @property
     def width(self) -> int:
         """Columns of one token's row."""
-        return sum(field.row_width for field in self.fields)
+        return sum(field.count * field.rows_per_token * field.width for field in self.fields)
 
     @classmethod
     def of(cls, output: Mapping[str, Any], tokens: int, merge_area: int) -> TokenLayout:
@@ -112,11 +107,6 @@ class FieldLayout:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def width(self) -> int:
-        """Columns the field takes in a row."""
-        return math.prod(self.shape)
-
 
 @dataclass(frozen=True)
 class TreeLayout:
@@ -160,7 +150,7 @@ class TreeLayout:
         """The output of the items whose rows are ``rows [N, W]``, fields contiguous."""
         count = rows.shape[0]
         tensors = [field for field in self.fields if field is not None]
-        columns = iter(rows.split([field.width for field in tensors], dim=1))
+        columns = iter(rows.split([math.prod(field.shape) for field in tensors], dim=1))
         leaves = [
             None
             if field is None

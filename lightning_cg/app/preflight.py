@@ -83,7 +83,13 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     if "input" in cfg.model and _tower_kind(cfg) == PACKED:
         _check_tower_sizes(cfg, getattr(tower, "config", None))
     elif "input" in cfg.model:
-        _check_tower_side(cfg, tower)
+        side, wanted = fixed_image_side(tower), cfg.model.input.image_size
+        if side is not None and side != wanted:
+            raise ValueError(
+                f"model.input.image_size={wanted} disagrees with the tower "
+                f"{type(tower).__name__}, which takes {side}x{side} images only; set "
+                f"model.input.image_size={side} (the data is made at that side)"
+            )
     try:
         adapter = adapter_for(tower, callback.adapter)
     except ValueError as error:
@@ -92,31 +98,17 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     return tower
 
 
-def _check_tower_side(cfg: DictConfig, tower: nn.Module) -> None:
-    side, wanted = fixed_image_side(tower), cfg.model.input.image_size
-    if side is not None and side != wanted:
-        raise ValueError(
-            f"model.input.image_size={wanted} disagrees with the tower "
-            f"{type(tower).__name__}, which takes {side}x{side} images only; set "
-            f"model.input.image_size={side} (the data is made at that side)"
-        )
-
-
 def _tower_kind(cfg: DictConfig) -> str:
     return BATCH_FIRST if cfg.model.input.get("image_size") is not None else PACKED
-
-
-def _data_kind(data: DictConfig, option: str) -> str:
-    if option == "photos":
-        return PACKED if data.get("fixed_size") is None else BATCH_FIRST
-    return DATA_KINDS[option][0]
 
 
 def _check_batch_kind(cfg: DictConfig) -> None:
     option = DATA_OPTIONS.get(cfg.data.get("_target_"))
     if option is None:
         return  # a data module of the user's own: nothing to compare
-    wanted, served = _tower_kind(cfg), _data_kind(cfg.data, option)
+    # Photos are packed unless data.fixed_size is set; every other option serves one kind.
+    fixed = option == "photos" and cfg.data.get("fixed_size") is not None
+    wanted, served = _tower_kind(cfg), BATCH_FIRST if fixed else DATA_KINDS[option][0]
     if wanted == served:
         return
     takes = {

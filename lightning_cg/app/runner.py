@@ -1,8 +1,4 @@
-"""The Hydra apps' work as plain functions: build from a config, run, report.
-
-``scripts/predict.py``, ``validate.py``, ``test.py`` and ``train.py`` are thin entry points
-around :func:`run`.
-"""
+"""The Hydra apps' work as plain functions (build, run, report); ``scripts/`` wrap :func:`run`."""
 
 from __future__ import annotations
 
@@ -41,11 +37,8 @@ class PassReport:
 
 @dataclass
 class RunReport:
-    """What the passes of one app run did, with the callback and, if asked, eagerly.
-
-    ``seconds`` and ``eager_seconds`` are wall seconds of all passes; ``stats`` the callback's
-    of the last pass; ``outputs`` every pass's, one after another.
-    """
+    """What one app run's passes did, with the callback and, if asked, eagerly: wall seconds
+    of all passes, the callback's stats of the last, every pass's outputs in turn."""
 
     stage: str
     seconds: float
@@ -59,10 +52,9 @@ class RunReport:
 
 
 class TowerClock:
-    """Seconds spent in a module's forward, synchronized on both sides of every call.
+    """Seconds spent in a module's forward, synchronized around every call (a context manager).
 
-    Forward hooks, so it also times a forward the callback swapped in; a context manager.
-    """
+    Forward hooks, so it also times a forward the callback swapped in."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -108,9 +100,7 @@ def run(cfg: DictConfig, stage: str) -> RunReport:
 
     Stages other than ``fit`` run ``cfg.passes`` Trainer calls (null: :data:`GPU_PASSES` on a
     GPU, else 1), after one untimed eager batch on a GPU; ``cfg.compare_eager`` (null: on a GPU)
-    repeats them without the callback. A config that cannot work is refused first
-    (:mod:`lightning_cg.app.preflight`).
-    """
+    repeats them without the callback. A config that cannot work is refused first."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
     checked_callback = check_config(cfg)
@@ -185,8 +175,7 @@ def _synchronize() -> None:
 def print_report(report: RunReport, console: Console | None = None) -> None:
     """The run's table, the tower seconds of its passes against eager, and its capture.
 
-    Prints on global rank 0 only: under DDP every rank holds the same summed stats.
-    """
+    Rank 0 only: under DDP every rank holds the same summed stats."""
     console = console or Console()
     on_gpu = report.device.startswith("cuda")
     console.print(_run_table(report, on_gpu))

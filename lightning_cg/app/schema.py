@@ -1,9 +1,8 @@
-"""Hydra structured config schemas of the apps' configs (``conf/predict.yaml`` and friends).
+"""Hydra schemas of the apps' configs, listed first in their YAML so bad keys fail at composition.
 
-The YAML files list ``app_schema`` first, so a wrong type or unknown key fails at composition.
-``cudagraph`` follows :class:`~lightning_cg.engine.config.GraphConfig` and ``BudgetConfig``;
-flags are typed ``Any`` so OmegaConf does not turn ``yes`` or ``0`` into a bool (the callback
-accepts exactly ``true`` and ``false``). Importing this module registers the schema.
+``cudagraph`` follows :class:`~lightning_cg.engine.config.GraphConfig`; flags are typed ``Any``
+so OmegaConf does not turn ``yes`` or ``0`` into a bool (the callback takes only ``true`` and
+``false``). Importing this module registers the schema.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -12,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
-from lightning_cg.adapters import ADAPTERS, adapter_name_by_type
+from lightning_cg.adapters import ADAPTERS, adapter_name_by_type, forward_parameters
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder
 
@@ -36,12 +35,26 @@ def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adap
             "module must be a dotted attribute path like 'model.visual', or None to find "
             f"the vision tower; got {module!r}"
         )
-    _check_stages(stages)
+    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence) or not stages:
+        raise ValueError(
+            f"stages must be a non-empty list of stage names from {', '.join(STAGES)}; got "
+            f"stages={stages!r} (without graphs in any stage, leave the callback out)"
+        )
+    unknown = sorted({repr(stage) for stage in stages if stage not in STAGES})
+    if unknown:
+        raise ValueError(f"stages has {', '.join(unknown)}; allowed: {', '.join(STAGES)}")
+    repeated = sorted({stage for stage in stages if list(stages).count(stage) > 1})
+    if repeated:
+        raise ValueError(f"stages lists {', '.join(repeated)} more than once; got {list(stages)}")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false; got {name}={value!r}")
     named = isinstance(adapter, str) and adapter in ADAPTERS
-    if not (adapter is None or named or _is_adapter_or_factory(adapter)):
+    # An adapter class is a factory; a module is neither an adapter nor a factory.
+    factory = isinstance(adapter, type) or (
+        callable(adapter) and not isinstance(adapter, nn.Module)
+    )
+    if not (adapter is None or named or factory or isinstance(adapter, GraphableEncoder)):
         raise ValueError(
             f"adapter must be one of {', '.join(ADAPTERS)}, a GraphableEncoder, a callable "
             f"that builds one from the tower, or None; got adapter={adapter!r}"
@@ -98,10 +111,8 @@ def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:
 
 
 def find_tower(pl_module: nn.Module) -> tuple[str, nn.Module]:
-    """The dotted path and module of the one vision tower in ``pl_module`` (else ValueError).
-
-    Only the outermost :func:`is_tower` counts: a timm model's blocks are parts of its tower.
-    """
+    """The dotted path and module of the one vision tower in ``pl_module`` (else ValueError);
+    only the outermost :func:`is_tower` counts (a timm model's blocks are parts of its tower)."""
     found: list[tuple[str, nn.Module]] = []
     # named_modules walks depth first, a module before its submodules.
     for path, module in pl_module.named_modules():
@@ -137,15 +148,9 @@ def is_tower(module: nn.Module) -> bool:
         module = module._orig_mod
     if isinstance(module, GraphableEncoder):
         return True
-    return adapter_name_by_type(module) is not None and not _takes_text(module)
-
-
-def _takes_text(module: nn.Module) -> bool:
-    try:
-        parameters = inspect.signature(type(module).forward).parameters
-    except (TypeError, ValueError):
+    if adapter_name_by_type(module) is None:
         return False
-    return any(name in parameters for name in TEXT_INPUTS)
+    return not set(TEXT_INPUTS) & set(forward_parameters(module))
 
 
 def check_one_callback_per_tower(
@@ -179,25 +184,3 @@ def describe(callback: Any) -> str:
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` is wrapped by ``torch.compile`` (the callback leaves it alone)."""
     return hasattr(module, "_orig_mod")
-
-
-def _is_adapter_or_factory(adapter: Any) -> bool:
-    if isinstance(adapter, type):
-        return True  # an adapter class builds the adapter
-    return isinstance(adapter, GraphableEncoder) or (
-        callable(adapter) and not isinstance(adapter, nn.Module)
-    )
-
-
-def _check_stages(stages: Any) -> None:
-    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence) or not stages:
-        raise ValueError(
-            f"stages must be a non-empty list of stage names from {', '.join(STAGES)}; got "
-            f"stages={stages!r} (without graphs in any stage, leave the callback out)"
-        )
-    unknown = sorted({repr(stage) for stage in stages if stage not in STAGES})
-    if unknown:
-        raise ValueError(f"stages has {', '.join(unknown)}; allowed: {', '.join(STAGES)}")
-    repeated = sorted({stage for stage in stages if list(stages).count(stage) > 1})
-    if repeated:
-        raise ValueError(f"stages lists {', '.join(repeated)} more than once; got {list(stages)}")

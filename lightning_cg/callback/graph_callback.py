@@ -44,36 +44,24 @@ from lightning_cg.engine.parallel import execute_data_parallel
 class CUDAGraphCallback(Callback):
     """Replays a vision tower through CUDA graphs in validation, test and prediction.
 
-    On ``*_start`` of each configured stage the tower gets a forward that packs each call's
-    items into sub-batches, replays the graph of the smallest fitting budget and runs eagerly
-    where none fits; on ``*_end``, ``teardown`` and exceptions the original comes back, so
-    training never runs through a graph. Graphs outlive the run: a tower back in new storage
-    with the same shapes, dtypes and device has its values copied into the captured storage
-    (:mod:`lightning_cg.engine.binding`). Keys are captured once that is expected to pay off
-    (:mod:`lightning_cg.core.capture_policy`). Under DDP each rank captures its own graphs;
-    a failed capture on any rank makes every rank eager from the next run on. Stats are
-    summed over ranks.
+    On each configured stage's ``*_start`` the tower's forward becomes graph replay (eager
+    where no budget fits); ``*_end``, ``teardown`` and exceptions put the original back, so
+    training never runs through a graph. Graphs outlive the run (see ``engine.binding``).
+    Under DDP a failed capture on any rank makes every rank eager from the next run on.
 
     Args:
-        module: dotted path of the tower inside the LightningModule; None finds the one
-            vision tower at every ``setup`` (:func:`~lightning_cg.callback.checks.find_tower`)
-            and stores its path here.
+        module: dotted path of the tower in the LightningModule; None finds the one vision
+            tower at every ``setup`` and stores its path here.
         stages: any of ``validate`` (a fit's validation too), ``test`` and ``predict``.
-        mode: ``none``, ``full`` (default), ``full_uniform_only``, ``piecewise`` or
-            ``full_and_piecewise`` (see README).
-        budgets: a mapping of :class:`~lightning_cg.engine.config.BudgetConfig` fields.
-        capture: ``paid_back`` (default: once the calls to come, or the eager time spent,
-            repay the capture), ``first_use`` or ``upfront`` (a path's whole ladder at once).
-        compile: capture a ``torch.compile``'d graph forward.
         adapter: ``packed``, ``batched``, ``hf``, a GraphableEncoder, or a callable that
             builds one from the tower; None picks one by the tower's type.
-        encoder_data_parallel: for ranks that all get the same batch: each encodes a share
-            of the items and the rows are all-gathered
+        encoder_data_parallel: ranks that all get the same batch each encode a share of it
             (:func:`~lightning_cg.engine.parallel.execute_data_parallel`).
         keep_graphs: keep graphs between runs; False frees them after each run.
-        config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`,
-            instead of ``mode``, ``budgets``, ``capture``, ``compile`` and ``options``.
-        **options: any other GraphConfig field (``paths``, ``verify``, ...).
+        config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
+        mode, budgets, capture, compile, **options: GraphConfig fields, not with ``config``;
+            mode is ``none``, ``full``, ``full_uniform_only``, ``piecewise`` or
+            ``full_and_piecewise``.
 
     Example::
 
@@ -114,7 +102,7 @@ class CUDAGraphCallback(Callback):
         self.last_stats: dict[str, float] = {}
         self._tower: nn.Module | None = None
         self._binding: TensorBinding | None = None
-        self._swapped: dict | None = None
+        self._swapped: tuple[bool, Any] | None = None
         self._told_cpu = False
         #: The manager serving the current run: ``manager``, or the eager one.
         self._run_manager: EncoderGraphManager | None = None
@@ -195,7 +183,9 @@ class CUDAGraphCallback(Callback):
         if self.manager is None or self._tower is None or self._swapped is not None:
             return
         self._bind_tensors()
-        self._tell_once_without_cuda()
+        if not self._told_cpu and not next(self._tower.parameters(), torch.empty(0)).is_cuda:
+            report_cpu_path()
+            self._told_cpu = True
         self._run_manager = self.manager if graphs_usable else self._eager_manager()
         self._run_manager.begin_run(expected_calls, later_runs)
         tower, manager = self._tower, self._run_manager
@@ -204,11 +194,8 @@ class CUDAGraphCallback(Callback):
         def graphed_forward(*args: Any, **kwargs: Any) -> Any:
             return execute(manager, manager.encoder.inputs_from_call(args, kwargs))
 
-        # Remember an instance-level forward (another wrapper) to put it back as it was.
-        self._swapped = {
-            "had_instance_forward": "forward" in tower.__dict__,
-            "forward": tower.__dict__.get("forward"),
-        }
+        # An instance-level forward (another wrapper) is put back as it was.
+        self._swapped = ("forward" in tower.__dict__, tower.__dict__.get("forward"))
         tower.forward = graphed_forward
 
     def _agree_graphs_usable(self, trainer: pl.Trainer) -> bool:
@@ -243,8 +230,9 @@ class CUDAGraphCallback(Callback):
         """Put the tower's original forward back (safe to call at any time)."""
         if self._swapped is None or self._tower is None:
             return
-        if self._swapped["had_instance_forward"]:
-            self._tower.forward = self._swapped["forward"]
+        had_forward, forward = self._swapped
+        if had_forward:
+            self._tower.forward = forward
         else:
             del self._tower.forward
         self._swapped = None
@@ -259,12 +247,6 @@ class CUDAGraphCallback(Callback):
         if outcome == CHANGED:
             self.manager.clear()
             self._binding = TensorBinding(self._tower)
-
-    def _tell_once_without_cuda(self) -> None:
-        if self._told_cpu or next(self._tower.parameters(), torch.empty(0)).is_cuda:
-            return
-        report_cpu_path()
-        self._told_cpu = True
 
     def _finish_run(self, trainer: pl.Trainer, stage: str) -> None:
         if self._swapped is None:

@@ -1,8 +1,5 @@
-"""What :class:`~lightning_cg.callback.graph_callback.CUDAGraphCallback` tells the user.
-
-Rebinding or recapture and the CPU path at a run's start; at its end the stats summed over
-ranks, logged as ``cudagraph/<name>`` and told in one line. Rank zero only.
-"""
+"""What the callback tells the user (rank zero only): rebinding or recapture and the CPU path at
+a run's start; at its end the stats summed over ranks, logged as ``cudagraph/<name>``."""
 
 from __future__ import annotations
 
@@ -61,6 +58,7 @@ def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_c
             f"CPU path (no CUDA graphs), padding waste {stats['padding_waste']:.1%}"
         )
     else:
+        compiling = stats.get("compile_seconds_run", 0.0)
         rank_zero_info(
             f"CUDAGraphCallback ({stage}): {stats['hits']:.0f} graph replays, "
             f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
@@ -68,11 +66,6 @@ def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_c
             f"{stats['graphs_captured']:.0f} graphs captured in "
             f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held; memory: pool "
             f"{stats['pool_bytes'] / 2**20:.0f} MiB, weight copies "
-            f"{stats['weight_copy_bytes'] / 2**20:.0f} MiB)" + _compiling(stats)
+            f"{stats['weight_copy_bytes'] / 2**20:.0f} MiB)"
+            + (f", {compiling:.2f} s of it compiling the graph forward" if compiling else "")
         )
-
-
-def _compiling(stats: Mapping[str, float]) -> str:
-    """What compiling cost this run, if it compiled."""
-    seconds = stats.get("compile_seconds_run", 0.0)
-    return f", {seconds:.2f} s of it compiling the graph forward" if seconds else ""

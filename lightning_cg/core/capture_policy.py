@@ -41,7 +41,7 @@ PROCESS_CAPTURES = ProcessCaptures()
 
 @dataclass
 class KeyRecord:
-    """What the policy knows of one key: path, budget, sightings and measured times."""
+    """One key's path, budget, sightings and measured times (medians of the first samples)."""
 
     path: str
     size: int
@@ -53,6 +53,7 @@ class KeyRecord:
     spent_before_run: float = 0.0
     eager_seconds_per_token: list[float] = field(default_factory=list)
     graph_seconds: list[float] = field(default_factory=list)
+    #: Capture seconds / eager seconds, once a capture after the process's first is timed.
     capture_ratio: float | None = None
     median_eager_per_token: float | None = None
     graph: float | None = None
@@ -127,8 +128,7 @@ class CapturePolicy:
         self._later_runs = 0
 
     def begin_run(self, expected_calls: int | None, later_runs: int | None = None) -> None:
-        """A run of ``expected_calls`` calls starts, ``later_runs`` like it to follow
-        (None: unknown)."""
+        """A run of ``expected_calls`` calls (None: unknown) starts, ``later_runs`` to follow."""
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._later_runs = later_runs or 0
@@ -258,10 +258,9 @@ class CapturePolicy:
     def capture_estimate(self, record: KeyRecord) -> float:
         """Seconds the key's capture is expected to cost: its eager time times the path's
         (else any path's, else the prior) capture ratio; more for the process's first."""
-        path_ratios = [r.capture_ratio for r in self._keys.values() if r.path == record.path]
-        path_ratios = [ratio for ratio in path_ratios if ratio is not None]
-        any_ratios = [r.capture_ratio for r in self._keys.values() if r.capture_ratio is not None]
-        ratios = path_ratios or any_ratios
+        measured = [r for r in self._keys.values() if r.capture_ratio is not None]
+        ratios = [r.capture_ratio for r in measured if r.path == record.path]
+        ratios = ratios or [r.capture_ratio for r in measured]
         cost = record.eager * (statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO)
         return cost * FIRST_CAPTURE_FACTOR if self._process.count == 0 else cost
 

@@ -1,9 +1,8 @@
 """Graph lifetime: keep a tower reading the storage its graphs were captured on.
 
-A graph reads weights by address; ``.cpu()`` then ``.cuda()`` or
-``load_state_dict(assign=True)`` move them to new storage. :class:`TensorBinding` copies
-same-layout values back into the remembered storage and points the tower at it, so no
-recapture is needed; the remembered tensors stay allocated while the tower is away.
+A graph reads weights by address; ``.cpu()`` then ``.cuda()`` or ``load_state_dict(assign=True)``
+move them. :class:`TensorBinding` copies same-layout values back into the remembered storage
+and points the tower at it, so no recapture is needed (that storage stays while it is away).
 """
 
 from __future__ import annotations
@@ -58,8 +57,13 @@ class TensorBinding:
             return UNCHANGED
         with torch.no_grad():
             for name in moved:
-                self._tensors[name].copy_(current[name])
-                _point_at(slots[name], self._tensors[name])
+                bound, slot = self._tensors[name], slots[name]
+                bound.copy_(current[name])
+                if slot.is_parameter:
+                    # The Parameter object stays (optimizers and hooks hold it); its data moves.
+                    getattr(slot.owner, slot.attribute).data = bound
+                else:
+                    setattr(slot.owner, slot.attribute, bound)
         return REBOUND
 
 
@@ -76,14 +80,6 @@ def _tensors_of(module: nn.Module) -> tuple[dict[str, _Slot], dict[str, torch.Te
             slots[key] = _Slot(owner, attribute, kind == "param")
             tensors[key] = tensor.detach()
     return slots, tensors
-
-
-def _point_at(slot: _Slot, bound: torch.Tensor) -> None:
-    if slot.is_parameter:
-        # The Parameter object stays (optimizers and hooks hold it); its data moves.
-        getattr(slot.owner, slot.attribute).data = bound
-    else:
-        setattr(slot.owner, slot.attribute, bound)
 
 
 def _same_layout(first: torch.Tensor, second: torch.Tensor) -> bool:

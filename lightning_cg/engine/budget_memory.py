@@ -54,7 +54,9 @@ def check_budgets_fit(
     bytes_per_token = getattr(encoder, "min_bytes_per_token", None)
     if bytes_per_token is None:
         return
-    reach = memory_in_reach(_device_of(encoder))
+    tower = getattr(encoder, "tower", None)
+    parameter = next(tower.parameters(), None) if isinstance(tower, torch.nn.Module) else None
+    reach = memory_in_reach(None if parameter is None else parameter.device)
     if reach is None:
         return
     limit, where = reach
@@ -71,12 +73,6 @@ def check_budgets_fit(
             f"{limit / _GIB:.1f} GiB of {where}; keep {field} at most "
             f"{limit // per_token} tokens (far fewer in practice: activations come on top)"
         )
-
-
-def _device_of(encoder: object) -> torch.device | None:
-    tower = getattr(encoder, "tower", None)
-    parameter = next(tower.parameters(), None) if isinstance(tower, torch.nn.Module) else None
-    return None if parameter is None else parameter.device
 
 
 def _budget_field(path: str, config: GraphConfig, largest: int) -> tuple[str, str]:

@@ -122,22 +122,22 @@ class GraphCache:
         self, paths: Sequence[str], from_budget: int = 0, mode: GraphMode | None = None
     ) -> None:
         """Forget the graphs of ``paths`` (of one mode, and from a budget up)."""
-        for key, _ in self.items():
-            if (
-                key.path in paths
+        self.remove(
+            [
+                key
+                for key in self._graphs
+                if key.path in paths
                 and key.descriptor.num_tokens >= from_budget
                 and (mode is None or key.mode is mode)
-            ):
-                del self._graphs[key]
-        if not self._graphs:
-            # A fresh pool: nothing may capture into a pool whose last graph is gone.
-            self._pool = None
+            ]
+        )
 
     def remove(self, keys: Sequence[GraphKey]) -> None:
         """Forget the graphs of ``keys``."""
         for key in keys:
             self._graphs.pop(key, None)
         if not self._graphs:
+            # A fresh pool: nothing may capture into a pool whose last graph is gone.
             self._pool = None
 
     def clear(self) -> None:
@@ -162,25 +162,16 @@ class GraphCache:
         """``buffers``, each replaced by an equal-layout one of a graph of the same path,
         budget and signature (filled with the new values): graphs replay one at a time
         and fill their buffers first, so one budget's graphs can share one set."""
+        wanted = (spec.path, spec.token_budget, spec.signature)
         for graph in self._graphs.values():
-            other = graph.spec
-            if (other.path, other.token_budget, other.signature) != (
-                spec.path,
-                spec.token_budget,
-                spec.signature,
-            ):
+            if (graph.spec.path, graph.spec.token_budget, graph.spec.signature) != wanted:
                 continue
             for name, buffer in buffers.items():
                 shared = graph.buffers.get(name)
-                if shared is not None and _same_layout(shared, buffer):
+                if shared is not None and _layout(shared) == _layout(buffer):
                     buffers[name] = shared.copy_(buffer)
         return buffers
 
 
-def _same_layout(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return (first.shape, first.stride(), first.dtype, first.device) == (
-        second.shape,
-        second.stride(),
-        second.dtype,
-        second.device,
-    )
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.shape, tensor.stride(), tensor.dtype, tensor.device

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,8 +30,8 @@ from lightning_cg.engine.faults import (
     diagnose,
     free_device_memory,
 )
-from lightning_cg.engine.piecewise import PiecewiseSplit, PiecewiseUnsupported, split_graph_forward
-from lightning_cg.engine.piecewise_graph import PiecewiseGraph
+from lightning_cg.engine.piecewise import PiecewiseUnsupported, split_graph_forward
+from lightning_cg.engine.piecewise_graph import PiecewiseGraph, side_stream
 from lightning_cg.engine.plan import PathPlan, PlanRef
 from lightning_cg.engine.replay import graph_context
 from lightning_cg.engine.weight_casts import WeightCasts
@@ -176,31 +176,27 @@ class GraphCapturer:
 
     def _capture_one(self, runtime_mode: GraphMode, spec: CaptureSpec) -> CapturedGraph:
         buffers = self.cache.share_buffers(spec, self.encoder.capture_inputs(spec))
-        pool = self.cache.pool() if _on_cuda(buffers) else None
+        pool = self.cache.pool() if any(b.is_cuda for b in buffers.values()) else None
         rules = self.padding_rules
         if runtime_mode is GraphMode.PIECEWISE:
-            pieces = PiecewiseGraph(self._split_tower(spec.path, buffers), buffers, pool)
+            split = split_graph_forward(
+                functools.partial(self.encoder.graph_forward, spec.path),
+                buffers,
+                self.config.splitting_ops,
+                name=f"{type(self.encoder).__name__}.graph_forward on path {spec.path!r}",
+            )
+            pieces = PiecewiseGraph(split, buffers, pool)
             return CapturedGraph(spec, buffers, pieces.run, rules, pieces=pieces)
         if pool is None:
             run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
             return CapturedGraph(spec, buffers, run, rules)
-        cuda_graph, output = self._record(spec.path, buffers, pool)
-        run = _replayer(cuda_graph, output)
-        return CapturedGraph(spec, buffers, run, rules, cuda_graph=cuda_graph, output=output)
-
-    def _record(
-        self, path: str, buffers: dict[str, torch.Tensor], pool: object
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream so lazy initialisation stays out of the graph.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            cast_dtype = self._warm_up(path, buffers)
-        torch.cuda.current_stream().wait_stream(side)
+        with side_stream():
+            cast_dtype = self._warm_up(spec.path, buffers)
         cuda_graph = torch.cuda.CUDAGraph()
         with self._casts_in(cast_dtype), capturing(), torch.cuda.graph(cuda_graph, pool=pool):
-            output = self.encoder.graph_forward(path, buffers)
-        return cuda_graph, output
+            output = self.encoder.graph_forward(spec.path, buffers)
+        run = _replayer(cuda_graph, output)
+        return CapturedGraph(spec, buffers, run, rules, cuda_graph=cuda_graph, output=output)
 
     def _warm_up(self, path: str, buffers: dict[str, torch.Tensor]) -> torch.dtype | None:
         """One warm-up forward, with the weight copies when they may serve; the autocast
@@ -240,22 +236,12 @@ class GraphCapturer:
         """The autocast dtype weight copies would be made in, if they may serve."""
         if self.weight_casts is None or self._casts_disagree:
             return None
-        if not torch.is_autocast_enabled("cuda"):
-            return None
-        return torch.get_autocast_dtype("cuda")
+        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
 
     def _casts_in(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
         if dtype is None or self.weight_casts is None:
             return contextlib.nullcontext()
         return self.weight_casts.swapped_in(dtype)
-
-    def _split_tower(self, path: str, buffers: dict[str, torch.Tensor]) -> PiecewiseSplit:
-        return split_graph_forward(
-            functools.partial(self.encoder.graph_forward, path),
-            buffers,
-            self.config.splitting_ops,
-            name=f"{type(self.encoder).__name__}.graph_forward on path {path!r}",
-        )
 
     def _fall_back(self, paths: Sequence[str], error: PiecewiseUnsupported) -> None:
         """Give ``paths`` a mode without PIECEWISE keys, or raise ``error``."""
@@ -263,10 +249,9 @@ class GraphCapturer:
         if fallback == "error":
             raise error
         mode = _FALLBACK_MODES[fallback][self.config.mode]
-        warnings.warn(
+        _warn(
             f"{error}; paths {list(paths)} fall back to mode {mode.value!r} "
             f"(piecewise_fallback={fallback!r})",
-            RuntimeWarning,
             stacklevel=2,
         )
         for path in paths:
@@ -276,11 +261,9 @@ class GraphCapturer:
     def _run_eagerly(self, path: str, fault: CaptureFault) -> None:
         self.plans.update(path, self.plans.plan.paths[path].eager(str(fault)))
         self.cache.drop([path])
-        warnings.warn(
+        _warn(
             f"EncoderGraphManager: capturing path {path!r} failed: {fault.cause} "
-            f"({fault.error}). Fix: {fault.fix}. Path {path!r} runs eagerly.",
-            RuntimeWarning,
-            stacklevel=5,
+            f"({fault.error}). Fix: {fault.fix}. Path {path!r} runs eagerly."
         )
 
     def stop_capturing(self, fault: CaptureFault) -> None:
@@ -291,11 +274,9 @@ class GraphCapturer:
             {path: plan.eager(self.capture_error) for path, plan in paths.items()}
         )
         self.cache.drop(list(paths))
-        warnings.warn(
+        _warn(
             f"EncoderGraphManager: capturing graphs failed: {fault.error}; every path runs "
-            "eagerly from now on (capture_errors='eager').",
-            RuntimeWarning,
-            stacklevel=5,
+            "eagerly from now on (capture_errors='eager')."
         )
 
     def _warn_out_of_memory(self, path: str, budgets: list[int]) -> None:
@@ -308,12 +289,10 @@ class GraphCapturer:
                 f"and items above {plan.budgets[-1]} tokens run eagerly"
             )
         failed = ", then ".join(str(budget) for budget in budgets)
-        warnings.warn(
+        _warn(
             f"EncoderGraphManager: out of memory capturing path {path!r} at token budget "
             f"{failed}; freed the graphs of that capture; {outcome}. To keep the larger "
-            "budgets, free device memory or lower max_budget / max_items_per_batch.",
-            RuntimeWarning,
-            stacklevel=5,
+            "budgets, free device memory or lower max_budget / max_items_per_batch."
         )
 
 
@@ -333,8 +312,8 @@ def _replayer(cuda_graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callabl
     return replay
 
 
-def _on_cuda(buffers: Mapping[str, torch.Tensor]) -> bool:
-    return any(buffer.is_cuda for buffer in buffers.values())
+def _warn(message: str, stacklevel: int = 5) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def _reserved_bytes() -> int:

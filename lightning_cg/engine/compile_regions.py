@@ -45,23 +45,20 @@ def repeated_blocks(tower: nn.Module) -> list[nn.Module]:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         blocks = list(dict.fromkeys(module))  # modules hash by identity
-        if len(blocks) < 2 or len({type(block) for block in blocks}) != 1:
-            continue
-        if len(blocks) <= len(best):
-            continue
-        if any("forward" in vars(block) for block in blocks):
-            continue
-        best = blocks
+        if (
+            len(blocks) > max(len(best), 1)
+            and len({type(block) for block in blocks}) == 1
+            and not any("forward" in vars(block) for block in blocks)
+        ):
+            best = blocks
     return best
 
 
 def weight_share(blocks: list[nn.Module], tower: nn.Module) -> float:
     """Share of ``tower``'s parameter elements that ``blocks`` hold (0 for a weightless tower)."""
     total = sum(parameter.numel() for parameter in tower.parameters())
-    if not total:
-        return 0.0
     held = sum(parameter.numel() for block in blocks for parameter in block.parameters())
-    return held / total
+    return held / total if total else 0.0
 
 
 def blocks_to_compile(tower: nn.Module | None, dynamic_shapes: bool) -> list[nn.Module]:
@@ -73,9 +70,7 @@ def blocks_to_compile(tower: nn.Module | None, dynamic_shapes: bool) -> list[nn.
     if not dynamic_shapes or not isinstance(tower, nn.Module):
         return []
     blocks = repeated_blocks(tower)
-    if blocks and weight_share(blocks, tower) >= MIN_BLOCK_WEIGHT_SHARE:
-        return blocks
-    return []
+    return blocks if blocks and weight_share(blocks, tower) >= MIN_BLOCK_WEIGHT_SHARE else []
 
 
 class CompiledBlocks:
@@ -112,11 +107,8 @@ class CompiledBlocks:
         Duck sizing would tie a budget equal to the hidden width to it: it is off.
         """
         if not torch.is_grad_enabled():
-            args, kwargs = tree_map_only(torch.Tensor, _without_view, (args, kwargs))
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.detach() if t._is_view() else t, (args, kwargs)
+            )
         with symbolic_shapes_config.patch(use_duck_shape=False), specialized_floats():
             return self.compiled_forward(block, *args, **kwargs)
-
-
-def _without_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or when it is a view, an alias of its memory that is no view (no copy)."""
-    return tensor.detach() if tensor._is_view() else tensor

@@ -42,9 +42,7 @@ def check_compile(compile: bool, mode: GraphMode) -> bool:
 
 def compiled_encoder_for(encoder: GraphableEncoder, config: GraphConfig) -> CompiledEncoder | None:
     """The compiling wrapper around ``encoder`` for ``config.compile`` True, else None."""
-    if config.compile is not True:
-        return None
-    return CompiledEncoder(encoder)
+    return CompiledEncoder(encoder) if config.compile else None
 
 
 class CompiledEncoder:
@@ -56,7 +54,6 @@ class CompiledEncoder:
     Args:
         backend: the ``torch.compile`` backend (``eager`` / ``aot_eager`` only trace, for tests).
         on_compile: called with the seconds of each graph forward that may compile.
-        on_give_up: called once compiling is given up (:meth:`give_up`).
 
     Example:
         >>> manager = EncoderGraphManager(CompiledEncoder(PackedEncoderAdapter(tower)))
@@ -68,7 +65,6 @@ class CompiledEncoder:
         encoder: GraphableEncoder,
         backend: str | Callable = "inductor",
         on_compile: Callable[[float], None] | None = None,
-        on_give_up: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(encoder, GraphableEncoder):
             raise TypeError(
@@ -78,40 +74,34 @@ class CompiledEncoder:
         self.encoder = encoder
         #: Whether a path's new buffer shapes compile (``compile_shapes="static"``).
         self.static_shapes = encoder.graph_config().compile_shapes == "static"
+        # dynamic None: torch.compile's automatic dynamic shapes, static until a size changes.
         compile_function = functools.partial(
-            torch.compile,
-            # None: torch.compile's automatic dynamic shapes, static until a size changes.
-            dynamic=None if self.static_shapes else True,
-            fullgraph=False,
-            mode=None,
-            backend=backend,
+            torch.compile, dynamic=None if self.static_shapes else True, backend=backend
         )
-        tower = getattr(encoder, "tower", None)
-        blocks = blocks_to_compile(tower, dynamic_shapes=not self.static_shapes)
+        self._compile_function = compile_function
+        blocks = blocks_to_compile(getattr(encoder, "tower", None), not self.static_shapes)
         #: The compiled repeated blocks; None when the whole graph forward is compiled.
         self.compiled_blocks = CompiledBlocks(blocks, compile_function) if blocks else None
-        self._compile_function = compile_function
         #: Seconds of the graph forwards that may compile: compilation, mostly.
         self.compile_seconds = 0.0
         self.on_compile = on_compile
         #: Whether graph forwards run compiled (until :meth:`give_up`).
         self.started = True
-        self.on_give_up = on_give_up
+        #: Called once compiling is given up (:meth:`give_up`).
+        self.on_give_up: Callable[[], None] | None = None
         #: Why compiling was given up (outputs that differ from eager), or None.
         self.compile_error: str | None = None
-        # The adapter's answer to which graphs collect per-layer outputs (optional).
-        self._collects_layer_outputs: Callable[[str, Mapping[str, torch.Tensor]], bool] | None = (
-            getattr(encoder, "collects_layer_outputs", None)
-        )
+        # The adapter's (path, buffers) -> bool: which graphs collect per-layer outputs.
+        self._collects_layer_outputs = getattr(encoder, "collects_layer_outputs", None)
         self._compiled: set[Hashable] = set()
 
-    @functools.cached_property
-    def compiled_forward(self) -> Callable:
-        """The graph forward with its compiled part; made at first use, since the first
-        ``torch.compile`` imports dynamo (seconds)."""
-        if self.compiled_blocks is None:
-            return self._forward_compiled_whole
-        return self._forward_with_compiled_blocks
+    def compiled_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The graph forward with its compiled part: the repeated blocks, or the whole."""
+        if self.compiled_blocks is not None:
+            with self.compiled_blocks.installed():
+                return self.encoder.graph_forward(path, buffers)
+        with specialized_floats():
+            return self._compiled_whole(path, buffers)
 
     # The protocol's methods are spelled out: isinstance checks of runtime
     # protocols look them up statically (Python >= 3.12), past __getattr__.
@@ -148,9 +138,18 @@ class CompiledEncoder:
 
     def graph_forward(self, path: str, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The wrapped encoder's graph forward, compiled while :attr:`started`."""
-        if not self.started or self._runs_uncompiled(path, buffers):
+        # With the blocks compiled, a graph collecting per-layer outputs in a list would
+        # recompile the block for every block (dynamo guards the list's length): such a
+        # graph captures the adapter's own forward.
+        collects = self._collects_layer_outputs
+        if not self.started or (
+            self.compiled_blocks is not None and collects is not None and collects(path, buffers)
+        ):
             return self.encoder.graph_forward(path, buffers)
-        compiled_for = self._compiled_for(path, buffers)
+        # What one compile serves: the path, and with static shapes its buffers' shapes.
+        compiled_for: Hashable = path
+        if self.static_shapes:
+            compiled_for = path, tuple((name, tuple(t.shape)) for name, t in buffers.items())
         if compiled_for in self._compiled:
             return self.compiled_forward(path, buffers)
         began = time.perf_counter()
@@ -175,38 +174,11 @@ class CompiledEncoder:
         if self.on_give_up is not None:
             self.on_give_up()
 
-    def _runs_uncompiled(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
-        """Whether the graph of ``buffers`` captures the adapter's own forward: with the
-        blocks compiled, a call collecting per-layer outputs in a list would recompile
-        the block for every block (dynamo guards the list's length)."""
-        return (
-            self.compiled_blocks is not None
-            and self._collects_layer_outputs is not None
-            and self._collects_layer_outputs(path, buffers)
-        )
-
     @functools.cached_property
     def _compiled_whole(self) -> Callable:
-        """The adapter's whole graph forward, compiled (made at first use, as above)."""
+        """The adapter's whole graph forward, compiled at first use (the first
+        ``torch.compile`` imports dynamo: seconds)."""
         return self._compile_function(self.encoder.graph_forward)
-
-    def _forward_compiled_whole(
-        self, path: str, buffers: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        with specialized_floats():
-            return self._compiled_whole(path, buffers)
-
-    def _forward_with_compiled_blocks(
-        self, path: str, buffers: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        with self.compiled_blocks.installed():
-            return self.encoder.graph_forward(path, buffers)
-
-    def _compiled_for(self, path: str, buffers: Mapping[str, torch.Tensor]) -> Hashable:
-        """What one compile serves: the path, and with static shapes its buffers' shapes."""
-        if not self.static_shapes:
-            return path
-        return path, tuple((name, tuple(tensor.shape)) for name, tensor in buffers.items())
 
     def __getattr__(self, name: str) -> Any:
         # Only called for what this class lacks: the adapter's own attributes (``tower``).

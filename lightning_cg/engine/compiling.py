@@ -60,19 +60,23 @@ class CompileLifecycle:
         self._uncompiled_plans_due = False
         compiled.on_compile = self._count_compile_seconds
         compiled.on_give_up = self._compiling_given_up
-        self._use_compiled_plans()
+        # Plan for compiled graphs (no weight copies: their dtype would recompile).
+        self._use_ladders(compiled=True)
+        capturer.weight_casts = None
+        capture_policy.graphs_fuse_work = True
+        runner.on_compiled_mismatch = self._stop_compiling
 
     def before_call(self) -> None:
-        """Bring back the uncompiled plans if compiling was given up since the last call."""
-        if self._uncompiled_plans_due:
-            self._back_to_uncompiled_plans()
-
-    def _use_compiled_plans(self) -> None:
-        """Plan for compiled graphs (no weight copies: their dtype would recompile)."""
-        self._use_ladders(compiled=True)
-        self._capturer.weight_casts = None
-        self._capture_policy.graphs_fuse_work = True
-        self._runner.on_compiled_mismatch = self._stop_compiling
+        """Bring back the uncompiled plans if compiling was given up since the last call:
+        drop the compiled plans' graphs; uncompiled ladders and weight copies serve."""
+        if not self._uncompiled_plans_due:
+            return
+        self._uncompiled_plans_due = False
+        self._clear()
+        self._use_ladders(compiled=False)
+        self._capturer.weight_casts = weight_casts_for(
+            self.compiled_encoder, self.config.cast_weights_per_run
+        )
 
     def _use_ladders(self, compiled: bool) -> None:
         """The ladders of compiled (finer) or uncompiled graphs, where one compile serves
@@ -97,15 +101,6 @@ class CompileLifecycle:
         self._runner.on_compiled_mismatch = None
         self._capture_policy.graphs_fuse_work = False
         self._uncompiled_plans_due = True
-
-    def _back_to_uncompiled_plans(self) -> None:
-        """Drop the compiled plans' graphs; uncompiled ladders and weight copies serve."""
-        self._uncompiled_plans_due = False
-        self._clear()
-        self._use_ladders(compiled=False)
-        self._capturer.weight_casts = weight_casts_for(
-            self.compiled_encoder, self.config.cast_weights_per_run
-        )
 
     def _count_compile_seconds(self, seconds: float) -> None:
         self.stats.compile_seconds += seconds

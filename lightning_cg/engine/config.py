@@ -1,7 +1,4 @@
-"""The graph configuration: one validated, frozen object shared by every part.
-
-:class:`GraphConfig` is checked once, where it is built; the parts that receive it trust it.
-"""
+"""The graph configuration: one frozen object, checked once where it is built and trusted after."""
 
 from __future__ import annotations
 
@@ -37,16 +34,6 @@ def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {name}={value!r}")
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false; got {name}={value!r}")
-
-
-def _check_number(name: str, value: Any, minimum: float) -> None:
-    if not is_finite_number(value) or not value >= minimum:
-        raise ValueError(f"{name} must be a finite number >= {minimum}; got {name}={value!r}")
-
-
 #: Options of a generated ladder, and the ladders that read each.
 _LADDER_OPTIONS = {
     "ratio": ("geometric",),
@@ -64,9 +51,8 @@ class BudgetConfig:
         budgets: an explicit ladder; overrides min/max.
         ladder: ``pow2`` (double from min) or ``geometric`` (multiply by ratio).
         align: geometric budgets are rounded up to a multiple of this.
-        compiled_ratio: with a dynamic-shape compiled forward, a generated ladder coarser
-            than this becomes ``geometric`` at this ratio (finer budgets then cost only
-            their captures); None keeps the ladder.
+        compiled_ratio: with a dynamic-shape compiled forward, a coarser generated ladder
+            becomes ``geometric`` at this ratio (finer budgets cost only captures); None: kept.
     """
 
     min_budget: int | None = None
@@ -96,7 +82,8 @@ class BudgetConfig:
                 _check_positive_int(f"budgets[{index}]", budget)
             object.__setattr__(self, "budgets", tuple(self.budgets))
         _check_choice("ladder", self.ladder, LADDERS)
-        _check_number("ratio", self.ratio, 1.0)
+        if not is_finite_number(self.ratio) or not self.ratio >= 1.0:
+            raise ValueError(f"ratio must be a finite number >= 1.0; got ratio={self.ratio!r}")
         if self.ratio == 1.0:
             raise ValueError(f"ratio must be a finite number > 1; got ratio={self.ratio!r}")
         _check_positive_int("align", self.align)
@@ -116,7 +103,7 @@ class BudgetConfig:
         for name, ladders in _LADDER_OPTIONS.items():
             value = getattr(self, name)
             applies = not explicit and self.ladder in ladders
-            if not applies and value is not None and value != _BUDGET_DEFAULTS[name]:
+            if not applies and _is_set(self, name):
                 raise ValueError(
                     f"{name}={value!r} applies only to ladder {' or '.join(map(repr, ladders))}, "
                     f"so with {ladder} it would be ignored; drop it or choose such a ladder"
@@ -138,15 +125,10 @@ class BudgetConfig:
 
     @classmethod
     def from_mapping(cls, field_name: str, choice: Mapping[str, Any] | None) -> BudgetConfig:
-        """A BudgetConfig from a mapping of its fields (a Hydra node, a dict); errors name
-        ``field_name``."""
+        """A BudgetConfig from a mapping of its fields (a Hydra node, a dict); errors name it."""
         if isinstance(choice, BudgetConfig):
             return choice
-        if choice is not None and not isinstance(choice, Mapping):
-            raise ValueError(
-                f"{field_name} must be a mapping of {', '.join(BUDGET_FIELDS)}; got {choice!r}"
-            )
-        choice = dict(choice or {})
+        choice = _as_mapping(choice, field_name)
         unknown = sorted(set(choice) - set(BUDGET_FIELDS))
         if unknown:
             raise ValueError(
@@ -159,8 +141,6 @@ class BudgetConfig:
 
 #: The keys of a budget choice (``budgets:`` and each entry of ``paths:``).
 BUDGET_FIELDS = tuple(f.name for f in fields(BudgetConfig))
-
-
 _BUDGET_DEFAULTS = {option.name: option.default for option in fields(BudgetConfig)}
 
 
@@ -176,14 +156,11 @@ class GraphConfig:
         verify: compare every graph's first replay with eager; raise on a mismatch.
         piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
         compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
-        capture_errors: ``raise`` a capture error without a known fallback, or turn
-            every path ``eager``.
-        capture: ``paid_back`` once a key's capture is expected to pay for itself,
-            ``first_use`` the first time a batch needs it, ``upfront`` a path's whole
-            ladder at its first call.
+        capture_errors: ``raise`` an error without a known fallback, or turn every path ``eager``.
+        capture: ``paid_back`` once a key's capture should pay for itself, ``first_use`` when
+            a batch first needs it, ``upfront`` a path's whole ladder at its first call.
         cast_weights_per_run: under autocast, FULL graphs read low-precision weight copies
-            refreshed at each run's start; false: every replay casts (and sees weights
-            changed mid-run).
+            refreshed each run; false: every replay casts (and sees weights changed mid-run).
     """
 
     mode: GraphMode = GraphMode.FULL
@@ -209,10 +186,11 @@ class GraphConfig:
         ):
             raise ValueError(f"paths must map path names to BudgetConfig; got paths={self.paths!r}")
         set_field(self, "paths", dict(self.paths))
-        _check_positive_int("max_items_per_batch", self.max_items_per_batch, none_ok=True)
-        _check_positive_int("max_frames_per_batch", self.max_frames_per_batch, none_ok=True)
+        for name in ("max_items_per_batch", "max_frames_per_batch"):
+            _check_positive_int(name, getattr(self, name), none_ok=True)
         for name in ("verify", "cast_weights_per_run"):
-            _check_bool(name, getattr(self, name))
+            if not isinstance(value := getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {name}={value!r}")
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)
         check_compile(self.compile, self.mode)
@@ -231,11 +209,10 @@ class GraphConfig:
             if choice.budgets is None and choice.ladder == "pow2":
                 compiled_only.append("align")
             for name in compiled_only:
-                value = getattr(choice, name)
-                if value is not None and value != _BUDGET_DEFAULTS[name]:
+                if _is_set(choice, name):
                     raise ValueError(
-                        f"{where}.{name}={value!r} is read only by compiled capture here, "
-                        "and compile is False: drop it, or set compile=True"
+                        f"{where}.{name}={getattr(choice, name)!r} is read only by compiled "
+                        "capture here, and compile is False: drop it, or set compile=True"
                     )
 
     @classmethod
@@ -246,15 +223,12 @@ class GraphConfig:
         splitting_ops: Sequence[str] | None = None,
         **options: Any,
     ) -> GraphConfig:
-        """A GraphConfig from plain values, as Hydra and keyword callers give them.
-
-        ``budgets`` and each entry of ``paths`` may be mappings of :data:`BUDGET_FIELDS`;
-        a path's entry overrides the keys of ``budgets`` it names.
-        """
-        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        """A GraphConfig from plain values (Hydra, keywords): ``budgets`` and each ``paths`` entry
+        may be mappings of :data:`BUDGET_FIELDS`, a path's overriding the keys it names."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
         if unknown:
-            allowed = ", ".join(f.name for f in fields(cls))
-            raise ValueError(f"unknown graph option(s) {unknown}; allowed: {allowed}")
+            raise ValueError(f"unknown graph option(s) {unknown}; allowed: {', '.join(names)}")
         base = BudgetConfig.from_mapping("budgets", budgets)
         if paths is not None and not isinstance(paths, Mapping):
             raise ValueError(f"paths must map path names to budget choices; got paths={paths!r}")
@@ -284,6 +258,12 @@ def _path_mapping(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, 
         if ladder not in ladders:
             inherited.pop(name, None)
     return {**inherited, **own}
+
+
+def _is_set(choice: BudgetConfig, name: str) -> bool:
+    """Whether ``choice`` sets ``name`` away from its default (None counts as unset)."""
+    value = getattr(choice, name)
+    return value is not None and value != _BUDGET_DEFAULTS[name]
 
 
 def _as_mapping(choice: Any, field_name: str = "budgets") -> dict[str, Any]:

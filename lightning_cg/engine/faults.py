@@ -161,19 +161,15 @@ def capturing() -> Iterator[None]:
     except BaseException as error:
         if stream is not None:
             torch.cuda.set_stream(stream)
-            _end_rng_capture()
+            # The failed capture skipped the RNG's epilogue, which would fail every later CUDA
+            # random op; re-setting the generator's own state takes it out of capture mode.
+            generator = torch.cuda.default_generators[torch.cuda.current_device()]
+            generator.graphsafe_set_state(generator.clone_state())
         if isinstance(error, Exception) and not is_out_of_memory(error):
             raise CaptureError(
                 f"{type(error).__name__} while capturing a graph: {error}"
             ) from error
         raise
-
-
-def _end_rng_capture() -> None:
-    """Take the device's RNG out of capture mode after a failed capture, whose skipped
-    epilogue would fail every later CUDA random op; re-setting its own state clears it."""
-    generator = torch.cuda.default_generators[torch.cuda.current_device()]
-    generator.graphsafe_set_state(generator.clone_state())
 
 
 def _chain(error: BaseException) -> list[BaseException]:

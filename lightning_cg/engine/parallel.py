@@ -70,18 +70,18 @@ def execute_data_parallel(
 ) -> Any:
     """Encode a batch that every rank of ``group`` holds, each rank a share of its items.
 
-    Every rank must call this with the same batch (checked by the item specs), even one
-    without items. ``device``: where collectives run; None is the current CUDA device
-    under NCCL, else the CPU. Returns ``manager.encoder.postprocess`` of every item's
-    rows, the same on every rank; with grad enabled each rank runs the whole batch.
-    """
+    Every rank must call this with the same batch (checked), even one without items, and gets
+    the postprocessed output of all; ``device`` runs the collectives (None: the current CUDA
+    device under NCCL, else the CPU). With grad enabled each rank runs the whole batch."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("execute_data_parallel needs an initialised torch.distributed group")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size == 1 or torch.is_grad_enabled():
         return manager.execute(inputs)
     encoder = manager.encoder
-    device = _default_device(group) if device is None else device
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     specs = encoder.item_specs(inputs)
     paths = list(manager.paths)
     shares = assign_items([spec.input_size for spec in specs], world_size)
@@ -91,25 +91,24 @@ def execute_data_parallel(
         rows = _local_rows(manager, inputs, shares[rank], specs, paths, device)
     except Exception as exception:  # reported to every rank through the header
         error = exception
-    headers = _gather_headers(_header(specs, rows, error, device), group)
+    headers = [
+        header.tolist() for header in _all_gather(_header(specs, rows, error, device), group)
+    ]
     trailing, dtype = _agree(headers, error)
     outputs: list[dict[str, torch.Tensor]] = [{} for _ in specs]
     if dtype is not None:
-        counts = [sum(_item_rows(specs[i], paths) for i in share) for share in shares]
-        gathered = _gather_rows(rows, max(counts), trailing, dtype, device, group)
+        counts = [
+            sum(specs[i].path_tokens.get(path, 0) for i in share for path in paths)
+            for share in shares
+        ]
+        # Ranks send equal shapes: each pads its rows to the longest share.
+        padded = torch.zeros((max(counts), *trailing), dtype=dtype, device=device)
+        if rows is not None:
+            padded[: rows.shape[0]] = rows
+        gathered = _all_gather(padded, group)
         for share, count, rank_rows in zip(shares, counts, gathered, strict=True):
             _scatter(rank_rows[:count], share, specs, paths, outputs)
     return encoder.postprocess(outputs, inputs)
-
-
-def _default_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _item_rows(spec: ItemSpec, paths: Sequence[str]) -> int:
-    return sum(spec.path_tokens.get(path, 0) for path in paths)
 
 
 def _local_rows(
@@ -155,16 +154,12 @@ def _local_rows(
     return torch.cat(parts).to(device)
 
 
-def _spec_fingerprint(specs: list[ItemSpec]) -> int:
-    text = repr([(s.input_size, sorted(s.path_tokens.items()), s.num_frames) for s in specs])
-    return zlib.crc32(text.encode())
-
-
 def _header(
     specs: list[ItemSpec], rows: torch.Tensor | None, error: Exception | None, device: torch.device
 ) -> torch.Tensor:
     header = torch.full((HEADER_SIZE,), -1, dtype=torch.int64)
-    header[1] = _spec_fingerprint(specs)
+    fingerprint = [(s.input_size, sorted(s.path_tokens.items()), s.num_frames) for s in specs]
+    header[1] = zlib.crc32(repr(fingerprint).encode())
     if error is not None:
         header[0] = _FAILED
     elif rows is None:
@@ -178,10 +173,10 @@ def _header(
     return header.to(device)
 
 
-def _gather_headers(header: torch.Tensor, group: dist.ProcessGroup | None) -> list[list[int]]:
-    headers = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(headers, header, group=group)
-    return [h.tolist() for h in headers]
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
 
 
 def _agree(
@@ -211,22 +206,6 @@ def _agree(
         raise RuntimeError(f"ranks' output rows differ in dtype or trailing shape: {described}")
     [(dtype_index, trailing)] = layouts
     return trailing, GATHER_DTYPES[dtype_index]
-
-
-def _gather_rows(
-    rows: torch.Tensor | None,
-    max_rows: int,
-    trailing: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-) -> list[torch.Tensor]:
-    padded = torch.zeros((max_rows, *trailing), dtype=dtype, device=device)
-    if rows is not None:
-        padded[: rows.shape[0]] = rows
-    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, padded, group=group)
-    return gathered
 
 
 def _scatter(

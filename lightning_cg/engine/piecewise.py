@@ -150,7 +150,24 @@ def split_graph_forward(
     """
     ops = set(check_splitting_ops(splitting_ops))
     module = _trace(forward, buffers, name)
-    return _split(module, tuple(buffers), ops, name)
+    graph = module.graph
+    (output,) = (node.args[0] for node in graph.nodes if node.op == "output")
+    if not isinstance(output, fx.Node) or output.op not in ("call_function", "placeholder"):
+        raise PiecewiseUnsupported(f"{name} must return one tensor computed from the buffers")
+    stage_of, eager = _assign_stages(graph, ops)
+    if not any(eager):
+        raise PiecewiseUnsupported(_no_split_message(graph, ops, name))
+    members: list[list[fx.Node]] = [[] for _ in eager]
+    for node, index in stage_of.items():  # in graph order
+        members[index].append(node)
+    stages = tuple(
+        _build_stage(module, nodes, is_eager)
+        for nodes, is_eager in zip(members, eager, strict=True)
+        if nodes
+    )
+    last_use = {value: index for index, stage in enumerate(stages) for value in stage.inputs}
+    placeholders = tuple(node for node in graph.nodes if node.op == "placeholder")
+    return PiecewiseSplit(tuple(buffers), placeholders, stages, output, last_use)
 
 
 def _trace(forward: Forward, buffers: Mapping[str, torch.Tensor], name: str) -> fx.GraphModule:
@@ -184,35 +201,6 @@ def _tower_line(error: BaseException) -> str:
 def _op_name(node: fx.Node) -> str | None:
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     return schema.name if schema is not None else None
-
-
-def _split(
-    module: fx.GraphModule, input_names: tuple[str, ...], ops: set[str], name: str
-) -> PiecewiseSplit:
-    graph = module.graph
-    output = _single_output(graph, name)
-    stage_of, eager = _assign_stages(graph, ops)
-    if not any(eager):
-        raise PiecewiseUnsupported(_no_split_message(graph, ops, name))
-    members: list[list[fx.Node]] = [[] for _ in eager]
-    for node in graph.nodes:
-        if node in stage_of:
-            members[stage_of[node]].append(node)
-    stages = tuple(
-        _build_stage(module, nodes, is_eager)
-        for nodes, is_eager in zip(members, eager, strict=True)
-        if nodes
-    )
-    last_use = {value: index for index, stage in enumerate(stages) for value in stage.inputs}
-    placeholders = tuple(node for node in graph.nodes if node.op == "placeholder")
-    return PiecewiseSplit(input_names, placeholders, stages, output, last_use)
-
-
-def _single_output(graph: fx.Graph, name: str) -> fx.Node:
-    (result,) = (node.args[0] for node in graph.nodes if node.op == "output")
-    if not isinstance(result, fx.Node) or result.op not in ("call_function", "placeholder"):
-        raise PiecewiseUnsupported(f"{name} must return one tensor computed from the buffers")
-    return result
 
 
 def _assign_stages(graph: fx.Graph, ops: set[str]) -> tuple[dict[fx.Node, int], list[bool]]:

@@ -9,7 +9,8 @@ stages never alive together, so memory grows with the tower's width, not its dep
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,13 +38,12 @@ class PiecewiseGraph:
             for node, name in zip(split.placeholders, split.input_names, strict=True)
         }
         self._slots: list[torch.Tensor] = []
-        self._steps: list[_PieceStep | _EagerStep] = []
+        self._steps: list[_Step] = []
         self._slotted = {value for stage in split.stages if stage.eager for value in stage.inputs}
         live = dict(self._static)
         for index, stage in enumerate(split.stages):
             args = [live[value] for value in stage.inputs]
-            prepare = self._prepare_eager if stage.eager else self._prepare_piece
-            live.update(zip(stage.outputs, prepare(stage, args, live, pool), strict=True))
+            live.update(zip(stage.outputs, self._prepare(stage, args, live, pool), strict=True))
             for value in [value for value in live if split.last_use.get(value, math.inf) <= index]:
                 if value is not split.output:
                     # Its last reader is captured: the pool may hand its memory to later pieces.
@@ -53,7 +53,7 @@ class PiecewiseGraph:
     @property
     def num_graphs(self) -> int:
         """CUDA graphs captured (0 without CUDA)."""
-        return sum(isinstance(step, _PieceStep) and step.graph is not None for step in self._steps)
+        return sum(step.graph is not None for step in self._steps)
 
     def run(self) -> torch.Tensor:
         """Replay the pieces and run the splitting ops on the buffers' current values; the
@@ -63,32 +63,29 @@ class PiecewiseGraph:
             step(values)
         return values[self.split.output]
 
-    def _prepare_eager(
-        self, stage: Stage, args: list[Any], live: dict[fx.Node, Any], pool: Any
-    ) -> list[torch.Tensor]:
-        outputs = stage.module(*args)
-        slots = self._slots_for(dict(enumerate(outputs)), live, stage)
-        for index, slot in slots.items():
-            slot.copy_(outputs[index])
-        step = _EagerStep(stage, [slots[index] for index in range(len(outputs))])
-        self._steps.append(step)
-        self._static.update(zip(stage.outputs, step.slots, strict=True))
-        return step.slots
-
-    def _prepare_piece(
+    def _prepare(
         self, stage: Stage, args: list[Any], live: dict[fx.Node, Any], pool: Any
     ) -> list[Any]:
-        outputs = stage.module(*args) if pool is None else _warm_up(stage.module, args)
-        read_eagerly = {
-            i: out for i, out in enumerate(outputs) if stage.outputs[i] in self._slotted
-        }
-        step = _PieceStep(stage, self._slots_for(read_eagerly, live, stage))
-        if pool is None:
-            step.copy_to_slots(outputs)
+        """Run or capture ``stage`` once; its outputs, those eager stages touch in slots."""
+        captured = pool is not None and not stage.eager
+        if captured:
+            with side_stream():  # the outputs tell the slots' layouts
+                for _ in range(2):
+                    outputs = stage.module(*args)
         else:
-            step.graph, outputs = _capture(lambda: step.call(*args), pool)
+            outputs = stage.module(*args)
+        # Eager stages touch every output of their own, and what they read of a piece's.
+        touched = set(stage.outputs) if stage.eager else self._slotted
+        slotted = {i: out for i, out in enumerate(outputs) if stage.outputs[i] in touched}
+        step = _Step(stage, self._slots_for(slotted, live, stage))
+        if captured:
+            step.graph = torch.cuda.CUDAGraph()
+            with capturing(), torch.cuda.graph(step.graph, pool=pool):
+                outputs = step.call(*args)
             # Capture runs nothing: replay once so the next eager stage reads real values.
             step.graph.replay()
+        else:
+            step.copy_to_slots(outputs)
         self._steps.append(step)
         self._static.update((stage.outputs[index], slot) for index, slot in step.slots.items())
         return [step.slots.get(index, out) for index, out in enumerate(outputs)]
@@ -110,28 +107,20 @@ class PiecewiseGraph:
                     f"{stage.outputs[index].name} crosses a split as a {type(output).__name__}; "
                     "only tensors can pass between a graph piece and a splitting op"
                 )
-            slot = self._free_slot(output, busy)
+            layout = _layout(output)
+            free = (s for s in self._slots if s.untyped_storage().data_ptr() not in busy)
+            slot = next((s for s in free if _layout(s) == layout), None)
             if slot is None:
-                slot = self._new_slot(output)
+                slot = torch.empty_like(output)
+                self._slots.append(slot)
             busy.add(slot.untyped_storage().data_ptr())
             slots[index] = slot
         return slots
 
-    def _free_slot(self, template: torch.Tensor, busy: set[int]) -> torch.Tensor | None:
-        layout = _layout(template)
-        for slot in self._slots:
-            if _layout(slot) == layout and slot.untyped_storage().data_ptr() not in busy:
-                return slot
-        return None
 
-    def _new_slot(self, template: torch.Tensor) -> torch.Tensor:
-        slot = torch.empty_like(template)
-        self._slots.append(slot)
-        return slot
-
-
-class _PieceStep:
-    """Replays one graph piece; without a graph, runs it on the current values."""
+class _Step:
+    """Replays one graph piece; without a graph (a splitting op, or no CUDA), runs the
+    stage on the current values."""
 
     def __init__(self, stage: Stage, slots: dict[int, torch.Tensor]) -> None:
         self.stage = stage
@@ -139,7 +128,7 @@ class _PieceStep:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def call(self, *args: Any) -> Sequence[Any]:
-        """Run the piece and copy into the slots what eager stages read."""
+        """Run the stage and copy into the slots what eager stages touch."""
         outputs = self.stage.module(*args)
         self.copy_to_slots(outputs)
         return outputs
@@ -158,39 +147,17 @@ class _PieceStep:
                 values[value] = output
 
 
-class _EagerStep:
-    """Runs one splitting op on the values at fixed addresses; results go to slots."""
-
-    def __init__(self, stage: Stage, slots: list[torch.Tensor]) -> None:
-        self.stage = stage
-        self.slots = slots
-
-    def __call__(self, values: dict[fx.Node, Any]) -> None:
-        outputs = self.stage.module(*(values[value] for value in self.stage.inputs))
-        for slot, output in zip(self.slots, outputs, strict=True):
-            slot.copy_(output)
-
-
 def _layout(tensor: torch.Tensor) -> tuple:
     # The layout empty_like would give: what a slot for this tensor looks like.
     meta = torch.empty_like(tensor, device="meta")
     return tuple(meta.shape), meta.stride(), tensor.dtype, tensor.device
 
 
-def _warm_up(module: fx.GraphModule, args: list[Any]) -> Sequence[Any]:
-    # On a side stream, so lazy initialisation stays out of the graph; the outputs tell
-    # the slots' layouts.
+@contextmanager
+def side_stream() -> Iterator[None]:
+    """Run the ``with`` body on a side stream, so lazy initialisation stays out of graphs."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
-            outputs = module(*args)
+        yield
     torch.cuda.current_stream().wait_stream(side)
-    return outputs
-
-
-def _capture(fn: Callable[[], Sequence[Any]], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
-    graph = torch.cuda.CUDAGraph()
-    with capturing(), torch.cuda.graph(graph, pool=pool):
-        outputs = fn()
-    return graph, outputs

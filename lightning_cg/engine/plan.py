@@ -63,38 +63,33 @@ class PathPlan:
         return dataclasses.replace(self, dispatcher=self.dispatcher.replace(mode=mode))
 
     def capture_spec(
-        self,
-        path: str,
-        runtime_mode: GraphMode,
-        desc: BatchDescriptor,
-        signature: object,
-        max_items: int,
+        self, path: str, mode: GraphMode, desc: BatchDescriptor, signature: object, max_items: int
     ) -> CaptureSpec:
         """The static shape of the graph of one key."""
         items = desc.num_items or max_items
-        frames = self.graph_frames(runtime_mode, desc, max_items)
+        frames = self.graph_frames(mode, desc, max_items)
         return CaptureSpec(path, desc.num_tokens, items, frames, signature)
 
     def graph_frames(self, runtime_mode: GraphMode, desc: BatchDescriptor, max_items: int) -> int:
         """Attention sequences (frames) the graph of a key holds (remembered per key)."""
         remembered = (runtime_mode, desc, max_items)
         frames = self._graph_frames.get(remembered)
-        if frames is None:
-            frames = self._graph_frames[remembered] = self._frames_of(runtime_mode, desc, max_items)
-        return frames
-
-    def _frames_of(self, runtime_mode: GraphMode, desc: BatchDescriptor, max_items: int) -> int:
+        if frames is not None:
+            return frames
         items = desc.num_items or max_items
         if runtime_mode is GraphMode.PIECEWISE:
             # Attention runs eagerly: the metadata may hold every frame a sub-batch can have.
-            return max(self.max_frames, items * self.item_frames)
-        if desc.uniform:
-            return items * self.item_frames
-        if desc.num_items is None or items >= min(desc.num_tokens, max_items):
+            frames = max(self.max_frames, items * self.item_frames)
+        elif desc.uniform:
+            frames = items * self.item_frames
+        elif desc.num_items is None or items >= min(desc.num_tokens, max_items):
             # One graph for any item count, or a budget's most items.
-            return self.max_frames
-        # A mixed key of fewer items: as many sequence slots as they need.
-        return min(items * self.item_frames, self.max_frames)
+            frames = self.max_frames
+        else:
+            # A mixed key of fewer items: as many sequence slots as they need.
+            frames = min(items * self.item_frames, self.max_frames)
+        self._graph_frames[remembered] = frames
+        return frames
 
 
 @dataclass(frozen=True)
@@ -125,10 +120,6 @@ class Plan:
     mode: GraphMode
     _calls: dict = field(default_factory=dict, repr=False, compare=False)
     _keys: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def with_path(self, path: str, plan: PathPlan) -> Plan:
-        """This plan with ``plan`` for ``path``."""
-        return self.with_paths({**self.paths, path: plan})
 
     def with_paths(self, paths: Mapping[str, PathPlan]) -> Plan:
         """This plan with ``paths``."""
@@ -220,7 +211,7 @@ class PlanRef:
 
     def update(self, path: str, plan: PathPlan) -> None:
         """Plan ``path`` by ``plan`` from now on."""
-        self.plan = self.plan.with_path(path, plan)
+        self.plan = self.plan.with_paths({**self.plan.paths, path: plan})
 
 
 def path_budget_choices(
@@ -303,14 +294,10 @@ def plan_paths(
     for path, path_config in encoder_config.paths.items():
         # The user's max_items: the resolved one would start every ladder at max_items.
         budgets, _ = resolve_path(encoder, path, choices[path], user_max_items)
+        mixed = slot_counts if path_config.per_item_metadata else ()
         plans[path] = PathPlan(
             budgets=tuple(budgets),
-            dispatcher=CudagraphDispatcher(
-                config.mode,
-                budgets,
-                counts,
-                mixed_item_counts=slot_counts if path_config.per_item_metadata else (),
-            ),
+            dispatcher=CudagraphDispatcher(config.mode, budgets, counts, mixed_item_counts=mixed),
             item_frames=frames_per_item,
             max_frames=max_frames,
         )

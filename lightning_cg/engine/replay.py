@@ -47,8 +47,7 @@ def check_replay(
 ) -> None:
     """Raise if ``replayed`` differs from the eager ``reference`` beyond tolerance
     (or the reference is not finite, so the graph cannot be judged on it)."""
-    spec = graph.spec
-    where = f"path {path!r}, budget {spec.token_budget}, max_items {spec.max_items}"
+    where = f"path {path!r}, budget {graph.spec.token_budget}, max_items {graph.spec.max_items}"
     error = replay_error(replayed, reference)
     if error is None:
         raise RuntimeError(
@@ -69,9 +68,7 @@ def check_replay(
 
 def replay_error(replayed: torch.Tensor, reference: torch.Tensor) -> float | None:
     """:func:`relative_error` of a replay against ``reference``; None if that is not finite."""
-    if not torch.isfinite(reference).all():
-        return None
-    return relative_error(replayed, reference)
+    return relative_error(replayed, reference) if torch.isfinite(reference).all() else None
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -104,9 +101,7 @@ def graph_context() -> Iterator[None]:
     """Where graphs are captured and replayed: without grad; outside inference mode, so
     buffers are ordinary tensors any caller may write; under autocast with its cache
     off, since a cast cached before capture would be freed while the graph reads it."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.inference_mode(False))
-        stack.enter_context(torch.no_grad())
+    with torch.inference_mode(False), torch.no_grad(), contextlib.ExitStack() as stack:
         for device, dtype in autocast_key():
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
         yield

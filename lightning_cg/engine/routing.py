@@ -108,7 +108,6 @@ class Router:
         graph, reason = self._graph_for(key, sub_batch)
         if graph is None:
             self.stats.count_eager(reason)
-            return Route(key=key, tokens=total)
         return Route(key=key, graph=graph, tokens=total)
 
     def _graph_for(self, key: GraphKey, sub_batch: SubBatch) -> tuple[CapturedGraph | None, str]:
@@ -136,7 +135,6 @@ class Router:
         return graph, "" if graph is not None else "above_budget"
 
     def _capture_key(self, key: GraphKey) -> None:
-        # capture="upfront" captures a path's whole ladder at its first call.
         if self.config.capture == "upfront":
             keys = path_keys(key.graph_set, key.path, self.plans.plan.paths[key.path])
         else:

@@ -18,19 +18,11 @@ import torch
 MAX_STAGING_SLOTS = 4
 #: Dtypes whose host rows are written with numpy (:func:`write_padded_array`).
 _NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-    }
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.float16, torch.float32, torch.float64}
 )
-_NO_PIECES: Mapping[str, Sequence[np.ndarray]] = MappingProxyType({})
+_Pieces = Sequence[np.ndarray]  # host rows in pieces
+_NO_PIECES: Mapping[str, _Pieces] = MappingProxyType({})
 #: ``(stream id, device index, device type)`` of a device's current stream (private torch).
 _current_stream_id = getattr(torch._C, "_cuda_getCurrentStream", None)
 
@@ -46,10 +38,9 @@ class PieceRows(Mapping[str, torch.Tensor]):
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], pieces: Mapping[str, Sequence[np.ndarray]]
     ) -> None:
-        if tensors.keys() & pieces.keys():
-            raise ValueError(
-                f"rows given both whole and in pieces: {sorted(tensors.keys() & pieces.keys())}"
-            )
+        both = tensors.keys() & pieces.keys()
+        if both:
+            raise ValueError(f"rows given both whole and in pieces: {sorted(both)}")
         self.pieces = pieces
         self._tensors = dict(tensors)
         # A dict's keys: a set view that StaticInputs.fill compares at C speed.
@@ -95,22 +86,16 @@ class StaticInputs:
         pieces = real.pieces if isinstance(real, PieceRows) else _NO_PIECES
         staged = []
         for buffer in self._buffers:
-            rule = buffer.rule
-            host_pieces = pieces.get(buffer.name)
-            if host_pieces is not None:
-                if buffer.is_cuda:
-                    staged.append((buffer, host_pieces, rule))
-                else:
-                    buffer.write_pieces(buffer.array, host_pieces, rule)
-                continue
-            rows = real[buffer.name]
-            if buffer.takes_from_host(rows):
-                staged.append((buffer, rows, rule))
-            elif buffer.array is not None and not rows.requires_grad:
-                # takes_from_host checked that rows have the buffer's (numpy) dtype.
-                write_padded_array(buffer.array, rows.numpy(), rule)
+            rows = pieces.get(buffer.name)
+            if rows is not None:
+                from_host = buffer.is_cuda
             else:
-                write_padded(buffer.tensor, rows, rule)
+                rows = real[buffer.name]
+                from_host = buffer.takes_from_host(rows)
+            if from_host:
+                staged.append((buffer, rows))
+            else:
+                buffer.write(buffer.tensor, buffer.array, rows)
         if staged:
             if self._staging is None:
                 self._staging = HostStaging()
@@ -173,12 +158,14 @@ class _Buffer:
         self.is_cpu = tensor.is_cpu
         self.is_cuda = tensor.is_cuda
         self.device_index = tensor.get_device()  # -1 on the CPU
-        # A CPU buffer's own memory, which host rows are written into with numpy.
-        self.array = tensor.numpy() if self.is_cpu and _numpy_safe(tensor) else None
         # The dtype of host pieces (None where numpy lacks the buffer's dtype).
         self.numpy_dtype = (
             torch.empty(0, dtype=self.dtype).numpy().dtype if self.dtype in _NUMPY_DTYPES else None
         )
+        # A CPU buffer's own memory, which host rows are written into with numpy (which
+        # shares it only for a numpy dtype without autograd).
+        numpy_safe = self.numpy_dtype is not None and not tensor.requires_grad
+        self.array = tensor.numpy() if self.is_cpu and numpy_safe else None
 
     def takes_from_host(self, rows: torch.Tensor) -> bool:
         """Whether ``rows`` go through pinned staging (host rows for a CUDA buffer);
@@ -199,11 +186,21 @@ class _Buffer:
             )
         return from_host and self.is_cuda
 
-    def write_pieces(
-        self, target: np.ndarray | None, pieces: Sequence[np.ndarray], rule: str
+    def write(
+        self, tensor: torch.Tensor, array: np.ndarray | None, rows: torch.Tensor | _Pieces
     ) -> None:
-        """Write host ``pieces`` in turn at the head of ``target`` (the buffer's array or
-        its staging), then pad by ``rule``; RuntimeError if a piece does not fit."""
+        """Write host ``rows`` or pieces at the head of ``tensor`` (the buffer or its
+        staging; ``array`` its numpy view or None), then pad by the buffer's rule."""
+        if not isinstance(rows, torch.Tensor):
+            self._write_pieces(array, rows)
+        elif array is not None and not rows.requires_grad:
+            # takes_from_host checked that rows have the buffer's (numpy) dtype.
+            write_padded_array(array, rows.numpy(), self.rule)
+        else:
+            write_padded(tensor, rows, self.rule)
+
+    def _write_pieces(self, target: np.ndarray | None, pieces: _Pieces) -> None:
+        """Write ``pieces`` in turn at the head of ``target``; RuntimeError if one does not fit."""
         count = 0
         for piece in pieces:
             end = count + piece.shape[0]
@@ -219,7 +216,7 @@ class _Buffer:
                 )
             target[count:end] = piece
             count = end
-        _pad_array(target, count, rule)
+        _pad_array(target, count, self.rule)
 
 
 class HostStaging:
@@ -238,19 +235,13 @@ class HostStaging:
         self._stream_id: tuple[int, int, int] | None = None
         self._stream: torch.cuda.Stream | None = None
 
-    def copy(self, staged: list[tuple[_Buffer, torch.Tensor | Sequence[np.ndarray], str]]) -> None:
-        """Pad each ``(buffer, host rows or pieces, rule)`` in a free slot, then copy
-        it into its buffer without waiting for the GPU."""
+    def copy(self, staged: list[tuple[_Buffer, torch.Tensor | _Pieces]]) -> None:
+        """Pad each ``(buffer, host rows or pieces)`` in a free slot, then copy it into
+        its buffer without waiting for the GPU."""
         slot = self._free_slot()
-        for buffer, rows, rule in staged:
+        for buffer, rows in staged:
             pinned, array = slot.host(buffer)
-            if not isinstance(rows, torch.Tensor):
-                buffer.write_pieces(array, rows, rule)
-            elif array is not None and not rows.requires_grad:
-                # takes_from_host checked that rows have the buffer's (numpy) dtype.
-                write_padded_array(array, rows.numpy(), rule)
-            else:
-                write_padded(pinned, rows, rule)
+            buffer.write(pinned, array, rows)
             buffer.tensor.copy_(pinned, non_blocking=True)
         # The stream the copies went to: the current one of the buffers' device.
         slot.event.record(self._current_stream(staged[0][0].device_index))
@@ -293,15 +284,7 @@ class _Slot:
         """The pinned tensor of ``buffer`` and its numpy view (None for dtypes numpy lacks)."""
         host = self.hosts.get(buffer.name)
         if host is None:
-            shape = buffer.tensor.shape
-            pinned = torch.empty(shape, dtype=buffer.dtype, pin_memory=True)
-            host = self.hosts[buffer.name] = (
-                pinned,
-                pinned.numpy() if _numpy_safe(pinned) else None,
-            )
+            pinned = torch.empty(buffer.tensor.shape, dtype=buffer.dtype, pin_memory=True)
+            array = pinned.numpy() if buffer.numpy_dtype is not None else None
+            host = self.hosts[buffer.name] = (pinned, array)
         return host
-
-
-def _numpy_safe(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor.numpy()`` shares its memory (a numpy dtype, no autograd)."""
-    return tensor.dtype in _NUMPY_DTYPES and not tensor.requires_grad

@@ -23,11 +23,8 @@ _MARK = "_lightning_cg_graphed"
 
 
 class GraphedTower:
-    """A tower's forward through an :class:`~lightning_cg.engine.manager.EncoderGraphManager`
-    inside ``with``; what :func:`graphed` returns.
-
-    Each ``with`` builds its ``manager`` on entering; its graphs live as long as this object.
-    """
+    """What :func:`graphed` returns: each ``with`` routes the tower's forward through a new
+    :class:`~lightning_cg.engine.manager.EncoderGraphManager` (``manager``)."""
 
     def __init__(
         self, tower: nn.Module, adapter: Any, config: GraphConfig | None, options: dict
@@ -88,21 +85,17 @@ def graphed(
 ) -> GraphedTower:
     """Serve ``tower`` through budget-batched CUDA graph replay inside a ``with`` block.
 
-    Inside, every call runs through the manager of ``adapter_for(tower, adapter)`` (graphs
-    where a budget fits, eager elsewhere, the tower's own output); leaving, also by an
-    exception, puts back exactly the forward that was there. Calls with gradients enabled run
-    eagerly: wrap the loop in ``torch.inference_mode()`` and put the tower in eval mode. Without
-    CUDA the same path runs without capture.
+    Inside, calls replay graphs where a budget fits and run eagerly elsewhere, returning the
+    tower's own output; leaving, also by an exception, puts back the forward that was there.
+    Calls with gradients enabled run eagerly (use ``torch.inference_mode()`` and eval mode).
 
     Args:
         adapter: as for :func:`~lightning_cg.adapters.adapter_for`.
         config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
         **options: GraphConfig fields instead of ``config`` (``mode``, ``budgets``, ...).
 
-    Raises:
-        TypeError: ``tower`` is no ``torch.nn.Module``.
-        RuntimeError: on entering, when ``tower`` is already inside ``graphed``.
-        ValueError, TypeError: on entering, as ``adapter_for`` and the manager raise them.
+    Raises TypeError for a ``tower`` that is no module; on entering, RuntimeError when it is
+    already inside ``graphed``, and what ``adapter_for`` and the manager raise.
     """
     if not isinstance(tower, nn.Module):
         raise TypeError(f"graphed serves a torch.nn.Module's forward; got {type(tower).__name__}")
