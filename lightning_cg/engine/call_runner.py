@@ -87,8 +87,7 @@ class CallRunner:
                 if route.graph is not None:
                     self._run_graph(call, route, path, sub_batch)
                 elif route.tokens:
-                    rows = self._eager(call, path, sub_batch)
-                    call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
+                    self._run_eager_path(call, route, path, sub_batch)
         if eager_items:
             eager_batch = self._sub_batch(inputs, sorted(eager_items), specs)
             self._run_eager_items(call, eager_batch, eager_routes)
@@ -129,6 +128,23 @@ class CallRunner:
 
         with self.timer.timed(record) as timing:
             timing.on_cuda = self._run_eagerly(call, sub_batch)
+
+    def _run_eager_path(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
+        """One path of a sub-batch whose other paths replay, eagerly; timed while its key's
+        eager time is still learned (else a key first seen beside a graph never captures)."""
+        key = route.key
+        if key is None or not self.policy.wants_eager_timing(key):
+            rows = self._eager(call, path, sub_batch)
+        else:
+
+            def record(seconds: float) -> None:
+                self.policy.record_eager(key, seconds, route.tokens)
+                self.policy.record_eager_call(path, route.tokens, seconds)
+
+            with self.timer.timed(record) as timing:
+                rows = self._eager(call, path, sub_batch)
+                timing.on_cuda = rows.is_cuda
+        call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
 
     def _run_graph(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
         key, graph, total = route.key, route.graph, route.tokens

@@ -409,3 +409,24 @@ def test_upfront_captures_each_paths_whole_ladder_at_its_first_call():
     captured = len(manager.cache)
     run_calls(manager, inputs, 2)
     assert len(manager.cache) == captured
+
+
+def test_manager_times_an_eager_path_beside_a_replayed_one_and_captures_it():
+    # The local path's graphs exist; the global path's key is first seen in sub-batches
+    # whose local rows replay. Its eager runs there are timed, so the rule can weigh it:
+    # a budget it fills (a replay saves half an eager run) is captured at its second
+    # sighting, since 1000 calls repay even a process's first capture (20 eager runs).
+    torch.manual_seed(0)
+    tower = ToyTower(global_tokens=4).eval()
+    manager = EncoderGraphManager(
+        ToyEncoder(tower), budgets={"budgets": [16, 64]}, paths={"global": {"budgets": [8]}}
+    )
+    manager.policy.drop_slower_graphs = False
+    tokens, lengths = torch.randn(12, 8), torch.tensor([5, 7])
+    inputs = manager.encoder.inputs_from_call((tokens, lengths), {})
+    manager.capture(manager.encoder.graph_signature(inputs), paths=["local"])
+    manager.begin_run(expected_calls=1000)
+    for output in run_calls(manager, inputs, 5):
+        torch.testing.assert_close(output, tower(tokens, lengths).detach())
+    assert [key.path for key in manager.cache.keys()].count("global") == 1
+    assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 5 + 4)
