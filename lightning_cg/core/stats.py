@@ -41,6 +41,7 @@ class GraphStats:
     eager_above_budget: int = 0  # more tokens than the largest budget
     eager_measured_slower: int = 0  # the key's graph was measured slower than eager
     eager_rows_interact: int = 0  # the key's padded graph differed from eager: rows interact
+    eager_compiled_mismatch: int = 0  # a compiled graph differed from eager: compiling ended
     checked_replays: int = 0
     checked_tokens: int = 0
 

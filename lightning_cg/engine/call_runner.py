@@ -15,7 +15,7 @@ import torch
 
 from lightning_cg.core.capture_policy import CapturePolicy
 from lightning_cg.core.stats import GraphStats
-from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphSet
+from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
 from lightning_cg.engine.call_timer import CallTimer
 from lightning_cg.engine.capture import GraphCapturer
 from lightning_cg.engine.config import GraphConfig
@@ -110,8 +110,12 @@ class CallRunner:
     def _run_eager_items(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> None:
         """Run every all-eager sub-batch's items in one eager call; keys the policy still
         needs eager times of share its time by tokens."""
-        timed = [route for route in routes if route.key is not None and route.tokens]
-        timed = [route for route in timed if self.policy.wants_eager_timing(route.key)]
+        # One sample per key and call: sub-batches of one key share this call's time.
+        key_tokens: dict[GraphKey, int] = {}
+        for route in routes:
+            if route.key is not None and route.tokens:
+                key_tokens[route.key] = key_tokens.get(route.key, 0) + route.tokens
+        timed = {k: n for k, n in key_tokens.items() if self.policy.wants_eager_timing(k)}
         if not timed:
             self._run_eagerly(call, sub_batch)
             return
@@ -119,8 +123,8 @@ class CallRunner:
         path_tokens = {path: sum(sub_batch.tokens(path)) for path in self.path_names}
 
         def record(seconds: float) -> None:
-            for route in timed:
-                self.policy.record_eager(route.key, seconds * route.tokens / total, route.tokens)
+            for key, tokens in timed.items():
+                self.policy.record_eager(key, seconds * tokens / total, tokens)
             # The call's time by path, by tokens as above, for the path's cost line.
             for path, tokens in path_tokens.items():
                 if tokens:
@@ -156,21 +160,27 @@ class CallRunner:
         else:
             rows = replay(graph, self.encoder, sub_batch.inputs, total, self.stats)
         self.stats.host_seconds += time.perf_counter() - started
-        # Counted once served: a replay that raised (a bad input) is no hit.
-        self.stats.hits += 1
-        self.stats.piecewise_hits += graph.pieces is not None
-        self.stats.real_tokens += total
-        self.stats.padded_tokens += key.descriptor.num_tokens - total
         items = len(sub_batch.indices)
         if self.config.verify and not graph.verified:
             check_replay(graph, path, rows, self._eager(call, path, sub_batch))
+            self.stats.checked_replays += 1
+            self.stats.checked_tokens += total
             # The same comparison checks the padding: rows that interact fail it.
             graph.rows_checked = graph.rows_checked or _padded(graph, total, items)
         padded_unchecked = not graph.rows_checked and _padded(graph, total, items)
         compiled_unchecked = self.on_compiled_mismatch is not None and not graph.verified
+        served = rows
         if compiled_unchecked or padded_unchecked:
-            rows = self._checked_against_eager(call, route, path, sub_batch, rows, padded_unchecked)
-        call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
+            served = self._checked_against_eager(
+                call, route, path, sub_batch, rows, padded_unchecked
+            )
+        if served is rows:
+            # Counted once served: a replay that raised or lost its check is no hit.
+            self.stats.hits += 1
+            self.stats.piecewise_hits += graph.pieces is not None
+            self.stats.real_tokens += total
+            self.stats.padded_tokens += key.descriptor.num_tokens - total
+        call.outputs.add(path, sub_batch.indices, served, sub_batch.tokens(path))
 
     def _checked_against_eager(
         self,
@@ -201,12 +211,12 @@ class CallRunner:
         spec = graph.spec
         where = f"path {path!r}, budget {spec.token_budget}"
         if self.on_compiled_mismatch is not None:
+            self.stats.count_eager("compiled_mismatch")
             self.on_compiled_mismatch(
                 f"the compiled graph of {where} differs from eager by relative error {error:.3e}"
             )
         else:
             self.router.serve_eagerly(route.key)
-            self.stats.hits -= 1  # eager rows serve this sub-batch
             self.stats.count_eager("rows_interact")
             tower = type(getattr(self.encoder, "tower", self.encoder)).__name__
             warnings.warn(

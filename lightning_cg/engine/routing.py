@@ -105,34 +105,50 @@ class Router:
                 self.stats.count_eager(planned.reason)
             return Route(tokens=total)
         self.policy.sighted(key, key.path, key.descriptor.num_tokens, total)
-        graph, reason = self._graph_for(key, sub_batch)
+        key, graph, reason = self._graph_for(key, sub_batch)
         if graph is None:
-            self.stats.count_eager(reason)
+            if reason:
+                self.stats.count_eager(reason)
+            else:
+                self.stats.misses += 1
         return Route(key=key, graph=graph, tokens=total)
 
-    def _graph_for(self, key: GraphKey, sub_batch: SubBatch) -> tuple[CapturedGraph | None, str]:
-        """The graph of ``key``, captured now if the policy says it pays; else why not."""
+    def _graph_for(
+        self, key: GraphKey, sub_batch: SubBatch
+    ) -> tuple[GraphKey | None, CapturedGraph | None, str]:
+        """The key that serves ``key``'s sub-batch and its graph, captured now if the policy
+        says it pays; else why not ("" for a path a capture fault turned eager)."""
         if key in self._eager_keys:
-            return None, "rows_interact"
+            return key, None, "rows_interact"
         graph = self.cache.get(key)
         if graph is not None:
             if self.policy.slower_than_eager(key):
-                return None, "measured_slower"
-            return graph, ""
+                return key, None, "measured_slower"
+            return key, graph, ""
         # Only finished timings: waiting for the rest would stall the host behind the GPU.
         self.timer.collect()
         decision = self.policy.decide(key)
         if decision != CAPTURE:
-            return None, "policy" if decision == NO_GAIN else "no_graph_yet"
+            return key, None, "policy" if decision == NO_GAIN else "no_graph_yet"
         self._capture_key(key)
         # A fault may have changed the plan: look again, and capture the key it gives.
         tokens = sub_batch.tokens(key.path)
         frames = sum(spec.num_frames for spec in sub_batch.specs)
         rekey = self.plans.plan.key(key.graph_set, key.path, tokens, frames)
-        if rekey is not None and rekey != key and rekey not in self.cache:
-            self._capture_key(rekey)
-        graph = self.cache.get(rekey) if rekey is not None else None
-        return graph, "" if graph is not None else "above_budget"
+        if rekey is None:
+            return None, None, self._no_key_reason(key.path)
+        if rekey != key:
+            # The key the new plan gives serves from now on: its sightings and times count.
+            self.policy.sighted(rekey, rekey.path, rekey.descriptor.num_tokens, sum(tokens))
+            if rekey not in self.cache:
+                self._capture_key(rekey)
+        graph = self.cache.get(rekey)
+        return rekey, graph, "" if graph is not None else self._no_key_reason(key.path)
+
+    def _no_key_reason(self, path: str) -> str:
+        """Why a replanned sub-batch has no graph: its path turned eager ("", a plain
+        miss as in the plan), else its tokens are above the budgets left."""
+        return "" if self.plans.plan.paths[path].eager_reason is not None else "above_budget"
 
     def _capture_key(self, key: GraphKey) -> None:
         if self.config.capture == "upfront":
@@ -140,7 +156,11 @@ class Router:
         else:
             keys = [key]
         compile_before = self.stats.compile_seconds
+        held_before = sum(k in self.cache for k in keys)
         seconds = self.capturer.capture(keys)
         # Compiling is paid once per path (or budget), not by each further key.
         seconds -= self.stats.compile_seconds - compile_before
-        self.policy.record_capture(key, seconds, keys=len(keys))
+        captured = sum(k in self.cache for k in keys) - held_before
+        if captured > 0:
+            # A capture that faulted teaches no capture cost.
+            self.policy.record_capture(key, seconds, keys=captured)

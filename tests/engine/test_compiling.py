@@ -115,7 +115,10 @@ def test_a_compiled_graph_that_differs_from_eager_ends_compiling(monkeypatch):
     tower = ToyTower().eval()
     manager = EncoderGraphManager(ToyEncoder(tower), capture="first_use", compile=True)
     with pytest.warns(RuntimeWarning, match="differs from eager by relative error"):
-        calls(manager, tower, 5)  # every output equal to the tower's, the first call's too
+        calls(manager, tower, 1)  # its one sub-batch served by eager rows, not the graph's
+    assert (manager.stats.hits, manager.stats.eager_compiled_mismatch) == (0, 1)
+    calls(manager, tower, 4)  # every output equal to the tower's
+    assert manager.stats.eager_compiled_mismatch == 1
     assert not manager.compiled_encoder.started
     assert "relative error" in manager.compiled_encoder.compile_error
     # The uncompiled forward serves from then on, with its weight copies and ladder.

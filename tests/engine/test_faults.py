@@ -500,3 +500,19 @@ def test_cuda_a_cublas_allocation_failure_inside_a_capture_keeps_the_smaller_bud
     assert "token budget 32" in warning and "keeps budgets [8, 16]" in warning
     assert not messages(caught, "runs eagerly")
     assert manager.stats.graphs == 2 and manager.stats.hits > 0
+
+
+def test_a_path_a_fault_turned_eager_counts_plain_misses_and_teaches_no_capture_cost():
+    tower = ToyTower().eval()
+    encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError(HOST_SYNC))
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
+    captures = []
+    record_capture = manager.policy.record_capture
+    manager.policy.record_capture = lambda *args, **kwargs: captures.append(args)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="runs eagerly"):
+        run_and_compare(manager, tower, [[5, 7], [3, 3]])
+    manager.policy.record_capture = record_capture
+    # 12 and 6 tokens fit the budgets: eager because the path is, not above the budgets.
+    stats = manager.stats
+    assert (stats.misses, stats.eager_above_budget, stats.hits) == (2, 0, 0)
+    assert captures == []

@@ -58,9 +58,11 @@ def test_a_tower_whose_rows_interact_gets_eager_outputs_and_one_warning(how):
     assert len(messages) == 1
     assert "RowsInteract: the graph of path 'image', budget 4" in messages[0]
     assert "This key runs eagerly from now on" in messages[0]
-    # Every batch of budget 4 runs eagerly, the first one's replay replaced by eager.
-    assert manager.stats.eager_rows_interact == 3
-    assert manager.stats.hits == 0
+    # Every batch of budget 4 runs eagerly, the first one's replay replaced by eager:
+    # nothing was served by a graph, so no graph-served tokens are counted either.
+    stats = manager.stats
+    assert (stats.eager_rows_interact, stats.misses, stats.hits) == (3, 3, 0)
+    assert (stats.real_tokens, stats.padded_tokens) == (0, 0)
 
 
 def test_a_tower_of_independent_rows_is_checked_once_and_replays():
@@ -98,6 +100,8 @@ def test_verify_checks_a_padded_first_replay_with_one_eager_run():
             manager.execute(adapter.inputs_from_call((x,), {}))
     assert CountingAdapter.eager_runs == 1
     assert manager.stats.hits == 2
+    # verify's comparison is the counted check of the padding.
+    assert (manager.stats.checked_replays, manager.stats.checked_tokens) == (1, 3)
 
 
 def test_verify_raises_on_a_padded_replay_of_rows_that_interact():
