@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from lightning_cg.adapters import ADAPTERS, adapter_name_by_type, forward_parameters
 from lightning_cg.engine.config import GraphConfig
@@ -57,7 +58,7 @@ def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adap
     if not (adapter is None or named or factory or isinstance(adapter, GraphableEncoder)):
         raise ValueError(
             f"adapter must be one of {', '.join(ADAPTERS)}, a GraphableEncoder, a callable "
-            f"that builds one from the tower, or None; got adapter={adapter!r}"
+            f"that builds one from the tower, or None; got adapter={_short_repr(adapter)}"
         )
 
 
@@ -91,6 +92,40 @@ def check_strategy(trainer: pl.Trainer) -> None:
             "graph captured on one shard's addresses cannot replay. Use strategy='ddp' or "
             "'auto', or remove the callback."
         )
+
+
+def check_batches_not_sharded(trainer: pl.Trainer, stage: str) -> None:
+    """Refuse ``encoder_data_parallel`` where the ``stage``'s dataloaders shard the data over
+    ranks: each rank would encode its share of another rank's batch as if of its own."""
+    loaders = {
+        "validate": trainer.val_dataloaders,
+        "test": trainer.test_dataloaders,
+        "predict": trainer.predict_dataloaders,
+    }[stage]
+    for loader in _flat(loaders):
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            if isinstance(sampler, DistributedSampler):
+                raise ValueError(
+                    "encoder_data_parallel=True shares out the items of a batch that every rank "
+                    f"holds, but the {stage} dataloader gives each rank its own batches "
+                    f"({type(sampler).__name__}): pass Trainer(use_distributed_sampler=False) "
+                    "so that every rank gets the same batches, or encoder_data_parallel=False"
+                )
+
+
+def _flat(loaders: Any) -> list[Any]:
+    """The dataloaders of a stage's loader collection (one, a list or a mapping)."""
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
+    if isinstance(loaders, list | tuple):
+        return list(loaders)
+    return [] if loaders is None else [loaders]
+
+
+def _short_repr(value: Any) -> str:
+    """A module by its type (its repr lists every layer), anything else by its repr."""
+    return f"a {type(value).__name__} module" if isinstance(value, nn.Module) else repr(value)
 
 
 def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:

@@ -17,6 +17,7 @@ from lightning_cg.adapters import adapter_for
 from lightning_cg.callback.checks import (
     STAGES,
     AdapterFactory,
+    check_batches_not_sharded,
     check_callback_args,
     check_one_callback_per_tower,
     check_strategy,
@@ -141,7 +142,7 @@ class CUDAGraphCallback(Callback):
         # The sanity check's few batches run eagerly: they check the loop, not the speed.
         if "validate" in self.stages and not trainer.sanity_checking:
             later_runs = validation_runs_after(trainer)
-            self._swap_in(trainer, total_batches(trainer.num_val_batches), later_runs)
+            self._swap_in(trainer, "validate", total_batches(trainer.num_val_batches), later_runs)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -150,7 +151,7 @@ class CUDAGraphCallback(Callback):
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "test" in self.stages:
-            self._swap_in(trainer, total_batches(trainer.num_test_batches))
+            self._swap_in(trainer, "test", total_batches(trainer.num_test_batches))
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -159,7 +160,7 @@ class CUDAGraphCallback(Callback):
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "predict" in self.stages:
-            self._swap_in(trainer, total_batches(trainer.num_predict_batches))
+            self._swap_in(trainer, "predict", total_batches(trainer.num_predict_batches))
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -176,8 +177,13 @@ class CUDAGraphCallback(Callback):
         self.restore()
 
     def _swap_in(
-        self, trainer: pl.Trainer, expected_calls: int | None, later_runs: int | None = None
+        self,
+        trainer: pl.Trainer,
+        stage: str,
+        expected_calls: int | None,
+        later_runs: int | None = None,
     ) -> None:
+        execute = self._executor(trainer, stage)
         # A collective: every rank takes part before any of them may return.
         graphs_usable = self._agree_graphs_usable(trainer)
         if self.manager is None or self._tower is None or self._swapped is not None:
@@ -189,7 +195,6 @@ class CUDAGraphCallback(Callback):
         self._run_manager = self.manager if graphs_usable else self._eager_manager()
         self._run_manager.begin_run(expected_calls, later_runs)
         tower, manager = self._tower, self._run_manager
-        execute = self._executor(trainer)
 
         def graphed_forward(*args: Any, **kwargs: Any) -> Any:
             return execute(manager, manager.encoder.inputs_from_call(args, kwargs))
@@ -218,11 +223,14 @@ class CUDAGraphCallback(Callback):
             self._eager = self._build_manager(self._tower, mode=GraphMode.NONE)
         return self._eager
 
-    def _executor(self, trainer: pl.Trainer) -> Callable[[EncoderGraphManager, Any], Any]:
+    def _executor(
+        self, trainer: pl.Trainer, stage: str
+    ) -> Callable[[EncoderGraphManager, Any], Any]:
         """``manager.execute``, or its data-parallel form over the default process group."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if not (self.encoder_data_parallel and distributed and trainer.world_size > 1):
             return EncoderGraphManager.execute
+        check_batches_not_sharded(trainer, stage)
         device = trainer.strategy.root_device
         return lambda manager, inputs: execute_data_parallel(manager, inputs, device=device)
 

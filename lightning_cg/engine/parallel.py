@@ -70,9 +70,10 @@ def execute_data_parallel(
 ) -> Any:
     """Encode a batch that every rank of ``group`` holds, each rank a share of its items.
 
-    Every rank must call this with the same batch (checked), even one without items, and gets
-    the postprocessed output of all; ``device`` runs the collectives (None: the current CUDA
-    device under NCCL, else the CPU). With grad enabled each rank runs the whole batch."""
+    Every rank must call this with the same batch (its item sizes are checked, not its
+    values), even one without items, and gets the postprocessed output of all; ``device``
+    runs the collectives (None: the current CUDA device under NCCL, else the CPU). With
+    grad enabled each rank runs the whole batch."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("execute_data_parallel needs an initialised torch.distributed group")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)

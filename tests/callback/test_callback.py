@@ -250,6 +250,7 @@ def test_compiled_tower_is_left_alone_with_a_warning():
         ({"max_items_per_batch": 0}, "max_items_per_batch"),
         ({"module": "vision tower"}, "module"),
         ({"adapter": "magic"}, "adapter"),
+        ({"adapter": torch.nn.Linear(2, 2)}, "got adapter=a Linear module$"),
         ({"stages": "validate"}, "stages must be a non-empty list"),
         ({"keep_graphs": "no"}, "keep_graphs must be true or false"),
         ({"verify": "no"}, "verify must be true or false"),

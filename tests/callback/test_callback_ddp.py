@@ -153,6 +153,25 @@ def test_encoder_data_parallel_shares_items_and_gathers_every_row(tmp_path):
     assert ranks[0]["stats"]["items"] == NUM_ITEMS  # each item encoded on one rank
 
 
+def _data_parallel_on_sharded_data(rank: int, world_size: int, out: Path) -> None:
+    callback = CUDAGraphCallback(budgets=BUDGETS, encoder_data_parallel=True, capture="first_use")
+    steps = []
+    net = model()
+    net.predict_step = lambda batch, batch_idx: steps.append(batch_idx)
+    try:
+        # Lightning's default distributed sampler gives each rank batches of its own.
+        ddp_trainer(callback).predict(net, datamodule(NUM_ITEMS), return_predictions=False)
+    except ValueError as error:
+        torch.save({"error": str(error), "steps": steps}, out / f"rank{rank}.pt")
+
+
+def test_encoder_data_parallel_refuses_data_sharded_over_ranks_before_any_batch(tmp_path):
+    run_ranks(_data_parallel_on_sharded_data, WORLD_SIZE, tmp_path, backend=None)
+    for result in load_ranks(tmp_path):
+        assert "use_distributed_sampler=False" in result["error"]
+        assert "DistributedSampler" in result["error"] and result["steps"] == []
+
+
 # ------------------------------------------------------------- agreed fallback
 
 
