@@ -52,7 +52,7 @@ class CUDAGraphCallback(Callback):
 
     Args:
         module: dotted path of the tower in the LightningModule; None finds the one vision
-            tower at every ``setup`` and stores its path here.
+            tower at each run's start (after ``configure_model``) and stores its path here.
         stages: any of ``validate`` (a fit's validation too), ``test`` and ``predict``.
         adapter: ``packed``, ``batched``, ``hf``, a GraphableEncoder, or a callable that
             builds one from the tower; None picks one by the tower's type.
@@ -114,6 +114,11 @@ class CUDAGraphCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_strategy(trainer)
+
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Find the tower and build its manager if the tower is new; at a run's start, when
+        the module's ``setup`` and ``configure_model`` have built it (they run after
+        callbacks' ``setup``), and before any batch."""
         if self._find_tower:
             self.module, tower = find_tower(pl_module)
         else:
@@ -125,6 +130,7 @@ class CUDAGraphCallback(Callback):
                 f"CUDAGraphCallback: {self.module!r} is compiled with torch.compile; "
                 "leaving it alone (use mode='reduce-overhead' or drop torch.compile)."
             )
+            self._tower = self.manager = self._binding = None
             return
         if self.manager is None or tower is not self._tower:
             self._tower = tower
@@ -138,9 +144,16 @@ class CUDAGraphCallback(Callback):
         return EncoderGraphManager(adapter_for(tower, self.adapter), config, CaptureProgress())
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Before training: a tower that cannot be served is refused before any work.
+        if "validate" in self.stages:
+            self._attach(trainer, pl_module)
+
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The sanity check's few batches run eagerly: they check the loop, not the speed.
         if "validate" in self.stages and not trainer.sanity_checking:
+            self._attach(trainer, pl_module)
             later_runs = validation_runs_after(trainer)
             self._swap_in(trainer, "validate", total_batches(trainer.num_val_batches), later_runs)
 
@@ -151,6 +164,7 @@ class CUDAGraphCallback(Callback):
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "test" in self.stages:
+            self._attach(trainer, pl_module)
             self._swap_in(trainer, "test", total_batches(trainer.num_test_batches))
 
     @override
@@ -160,6 +174,7 @@ class CUDAGraphCallback(Callback):
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "predict" in self.stages:
+            self._attach(trainer, pl_module)
             self._swap_in(trainer, "predict", total_batches(trainer.num_predict_batches))
 
     @override

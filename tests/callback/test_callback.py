@@ -191,7 +191,8 @@ def test_keep_graphs_false_frees_graphs_after_each_run():
 def test_stages_limit_where_graphs_run():
     callback = CUDAGraphCallback(budgets=BUDGETS, stages=["validate"], capture="first_use")
     trainer(callback).predict(model(), datamodule())
-    assert callback.manager.stats.items == 0 and callback.last_stats == {}
+    # No stage of this run is configured: no tower looked up, no manager built.
+    assert callback.manager is None and callback.last_stats == {}
 
 
 def test_bf16_mixed_matches_eager_within_bf16_tolerance():
@@ -229,11 +230,13 @@ def test_stats_reach_the_loggers(stage):
 
 def test_compiled_tower_is_left_alone_with_a_warning():
     net = model()
-    net.vision_tower = torch.compile(net.vision_tower)
+    net.vision_tower = torch.compile(net.vision_tower, backend="eager")
+    compiled_forward = net.vision_tower.forward
     callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     with pytest.warns(UserWarning, match="torch.compile"):
-        callback.setup(trainer(callback), net, "predict")
-    assert callback.manager is None
+        trainer(callback).predict(net, datamodule(4))
+    assert callback.manager is None and callback.last_stats == {}
+    assert net.vision_tower.forward == compiled_forward
 
 
 @pytest.mark.parametrize(
@@ -274,10 +277,14 @@ def test_bad_arguments_fail_at_construction(kwargs, field):
         ({"paths": {"elsewhere": {"budgets": [8]}}}, r"paths names unknown .*'elsewhere'"),
     ],
 )
-def test_bad_towers_and_budgets_fail_at_setup(kwargs, field):
+def test_bad_towers_and_budgets_fail_before_the_first_batch(kwargs, field):
     callback = CUDAGraphCallback(**kwargs, capture="first_use")
+    net = model()
+    steps = []
+    net.predict_step = lambda batch, batch_idx: steps.append(batch_idx)
     with pytest.raises(ValueError, match=field):
-        callback.setup(trainer(callback), model(), "predict")
+        trainer(callback).predict(net, datamodule())
+    assert steps == [] and callback.manager is None
 
 
 def test_sharding_strategies_are_refused():

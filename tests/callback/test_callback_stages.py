@@ -8,6 +8,7 @@ from test_callback import BUDGETS, RecordingModel, datamodule, trainer
 from torch import nn
 
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
+from lightning_cg.engine.manager import EncoderGraphManager
 
 
 def runs_its_own_forward(tower: nn.Module) -> bool:
@@ -124,24 +125,17 @@ def test_the_original_forward_is_back_before_later_end_hooks_run():
     ]
 
 
-class LaterRunsRecorder(Callback):
-    """Records the ``later_runs`` the callback gives its manager at each run's start."""
+def record_later_runs(monkeypatch) -> list[int | None]:
+    """The ``later_runs`` every manager is given at each run's start, in order."""
+    recorded: list[int | None] = []
+    begin_run = EncoderGraphManager.begin_run
 
-    def __init__(self, graph_callback: CUDAGraphCallback) -> None:
-        self.graph_callback = graph_callback
-        self.later_runs: list[int | None] = []
+    def recording_begin_run(self, expected_calls=None, later_runs=None):
+        recorded.append(later_runs)
+        begin_run(self, expected_calls, later_runs)
 
-    def setup(self, trainer, pl_module, stage):
-        manager = self.graph_callback.manager
-        if "begin_run" in vars(manager):
-            return  # wrapped by an earlier Trainer's setup: the callback kept its manager
-        begin_run = manager.begin_run
-
-        def recording_begin_run(expected_calls=None, later_runs=None):
-            self.later_runs.append(later_runs)
-            begin_run(expected_calls, later_runs)
-
-        manager.begin_run = recording_begin_run
+    monkeypatch.setattr(EncoderGraphManager, "begin_run", recording_begin_run)
+    return recorded
 
 
 @pytest.mark.parametrize(
@@ -155,16 +149,18 @@ class LaterRunsRecorder(Callback):
         ({"max_epochs": 3, "early_stopping": True}, [None] * 3),
     ],
 )
-def test_a_fit_tells_the_manager_how_many_validation_runs_follow(fit_options, expected):
+def test_a_fit_tells_the_manager_how_many_validation_runs_follow(
+    fit_options, expected, monkeypatch
+):
     callback = CUDAGraphCallback(module="vision_tower", budgets=BUDGETS)
-    recorder = LaterRunsRecorder(callback)
+    later_runs = record_later_runs(monkeypatch)
     net = RecordingModel()
     data = datamodule()
     options = {name: value for name, value in fit_options.items() if name != "early_stopping"}
     stopping = [EarlyStopping("val_loss", patience=10)] if "early_stopping" in fit_options else []
-    trainer(callback, recorder, *stopping, limit_val_batches=1, **options).fit(net, data)
-    assert recorder.later_runs == expected
-    trainer(callback, recorder).validate(net, data)
-    trainer(callback, recorder).test(net, data, verbose=False)
-    trainer(callback, recorder).predict(net, data)
-    assert recorder.later_runs == [*expected, None, None, None]
+    trainer(callback, *stopping, limit_val_batches=1, **options).fit(net, data)
+    assert later_runs == expected
+    trainer(callback).validate(net, data)
+    trainer(callback).test(net, data, verbose=False)
+    trainer(callback).predict(net, data)
+    assert later_runs == [*expected, None, None, None]

@@ -15,13 +15,22 @@ TINY_PACKED = dict(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidde
 
 
 class Holder(LightningModule):
-    """A LightningModule holding ``modules`` as its children, and a head that is no tower."""
+    """A LightningModule holding ``modules`` as its children, and a head that is no tower;
+    its prediction steps are only counted."""
 
     def __init__(self, **modules: nn.Module) -> None:
         super().__init__()
         for name, module in modules.items():
             setattr(self, name, module)
         self.head = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))
+        self.steps = 0
+
+    def predict_step(self, batch, batch_idx):
+        self.steps += 1
+
+
+def predict_with(callback: CUDAGraphCallback, model: Holder) -> None:
+    trainer(callback).predict(model, DataLoader(torch.zeros(2, 4), batch_size=2))
 
 
 def trainer(*callbacks) -> Trainer:
@@ -35,11 +44,11 @@ def trainer(*callbacks) -> Trainer:
     )
 
 
-def found_by_setup(model: LightningModule) -> tuple[str, nn.Module]:
-    """The path the callback remembers at setup, and the tower it serves."""
+def found_at_run_start(model: Holder) -> tuple[str, nn.Module]:
+    """The path the callback remembers at a run's start, and the tower it serves."""
     callback = CUDAGraphCallback()
     assert callback.module is None
-    callback.setup(trainer(callback), model, "predict")
+    predict_with(callback, model)
     return callback.module, callback._tower
 
 
@@ -49,7 +58,7 @@ def test_a_timm_model_is_one_tower_not_its_blocks():
         "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=4
     )
     model = Holder(backbone=backbone)
-    assert found_by_setup(model) == ("backbone", backbone)
+    assert found_at_run_start(model) == ("backbone", backbone)
 
 
 class FakeTimmBlock(nn.Module):
@@ -79,7 +88,7 @@ FakeTimmBlock.__module__ = FakeTimmNet.__module__ = "timm.models.fake"
 def test_a_timm_typed_stand_in_is_found_at_its_path_and_its_blocks_are_not_towers():
     net = FakeTimmNet()
     model = Holder(encoder=nn.ModuleDict({"net": net}))
-    assert found_by_setup(model) == ("encoder.net", net)
+    assert found_at_run_start(model) == ("encoder.net", net)
 
 
 def tiny_clip():
@@ -99,7 +108,7 @@ def test_the_vision_model_of_a_clip_model_is_the_tower():
     clip = tiny_clip()
     model = Holder(clip=clip)
     # CLIPModel takes pixel_values but also input_ids; its text model takes no images.
-    assert found_by_setup(model) == ("clip.vision_model", clip.vision_model)
+    assert found_at_run_start(model) == ("clip.vision_model", clip.vision_model)
 
 
 def test_two_towers_are_refused_listing_both_paths():
@@ -108,21 +117,21 @@ def test_two_towers_are_refused_listing_both_paths():
     )
     callback = CUDAGraphCallback()
     with pytest.raises(ValueError, match="found 2 vision towers") as refused:
-        callback.setup(trainer(callback), model, "predict")
+        predict_with(callback, model)
     message = str(refused.value)
     assert "'images' (ResNet)" in message and "'videos' (PackedViT)" in message
     assert "module=" in message
-    assert callback.manager is None and callback.module is None
+    assert callback.manager is None and callback.module is None and model.steps == 0
 
 
 def test_no_tower_is_refused_saying_how_to_name_one():
     model = Holder(body=nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     callback = CUDAGraphCallback()
     with pytest.raises(ValueError, match="found no vision tower in Holder") as refused:
-        callback.setup(trainer(callback), model, "predict")
+        predict_with(callback, model)
     assert "module='<dotted path>'" in str(refused.value)
     assert "body, head" in str(refused.value)
-    assert callback.manager is None
+    assert callback.manager is None and model.steps == 0
 
 
 def test_a_compiled_tower_is_found_as_its_wrapper():
@@ -158,3 +167,44 @@ def test_predict_through_the_found_tower_equals_eager():
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
     assert callback.last_stats["items"] == 6 and callback.last_stats["hits"] > 0
     assert "forward" not in model.encoder["backbone"].__dict__
+
+
+class BuiltLate(LightningModule):
+    """Builds its tower in ``configure_model`` or ``setup``, which Lightning calls after the
+    callbacks' ``setup``, as large models do."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        self.hook = hook
+        self.backbone: nn.Module | None = None
+        self.head = nn.Linear(8, 3)
+
+    def _build(self) -> None:
+        if self.backbone is None:
+            torch.manual_seed(0)
+            self.backbone = resnet18(num_classes=8).eval()
+
+    def configure_model(self) -> None:
+        if self.hook == "configure_model":
+            self._build()
+
+    def setup(self, stage: str) -> None:
+        if self.hook == "setup":
+            self._build()
+
+    def predict_step(self, batch, batch_idx):
+        return self.head(self.backbone(batch))
+
+
+@pytest.mark.parametrize("module", [None, "backbone"])
+@pytest.mark.parametrize("hook", ["configure_model", "setup"])
+def test_a_tower_built_in_configure_model_or_setup_is_served(hook, module):
+    images = DataLoader(torch.randn(4, 3, 16, 16), batch_size=2)
+    callback = CUDAGraphCallback(module=module, capture="first_use")
+    model = BuiltLate(hook)
+
+    graphed = torch.cat(trainer(callback).predict(model, images))
+
+    assert callback.module == "backbone" and callback._tower is model.backbone
+    assert callback.last_stats["items"] == 4 and callback.last_stats["hits"] > 0
+    torch.testing.assert_close(graphed, torch.cat(trainer().predict(model, images)))
