@@ -49,8 +49,9 @@ TOWER_SIZES = {
 TOP_LEVEL_KEYS = (*AppSchema.__dataclass_fields__, "hydra")
 
 
-def check_config(cfg: DictConfig) -> CUDAGraphCallback:
-    """Refuse a config that cannot work, before anything is built; return its callback.
+def check_config(cfg: DictConfig, stage: str) -> CUDAGraphCallback:
+    """Refuse a config that cannot work for app ``stage``, before anything is built; return
+    its callback.
 
     Raises ValueError naming the fields and what would fit, or Hydra's InstantiationException
     for a callback option.
@@ -71,6 +72,12 @@ def check_config(cfg: DictConfig) -> CUDAGraphCallback:
     ):
         raise ValueError(f"passes must be a positive integer or null (auto); got passes={passes}")
     callback = instantiate(cfg.cudagraph)
+    served = "validate" if stage == "fit" else stage  # a fit's validation runs
+    if served not in callback.stages:
+        raise ValueError(
+            f"cudagraph.stages={list(callback.stages)} leaves out {served!r}, the stage this "
+            f"app serves: add {served!r}, or leave the callback out of this run"
+        )
     if "input" in cfg.model:  # else a model of the user's own: nothing to compare
         _check_batch_kind(cfg)
         _check_shared_sizes(cfg)

@@ -103,7 +103,7 @@ def run(cfg: DictConfig, stage: str) -> RunReport:
     repeats them without the callback. A config that cannot work is refused first."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
-    checked_callback = check_config(cfg)
+    checked_callback = check_config(cfg, stage)
     model, datamodule = build(cfg)
     tower = check_tower(cfg, model, checked_callback)
     trainer, callback = make_trainer(cfg)

@@ -136,7 +136,11 @@ class BudgetConfig:
             )
         if choice.get("budgets") is not None and not isinstance(choice["budgets"], str):
             choice["budgets"] = list(choice["budgets"])
-        return cls(**choice)
+        try:
+            return cls(**choice)
+        except ValueError as error:
+            # Every check names its key first: the message names it under field_name.
+            raise ValueError(f"{field_name}.{error}") from None
 
 
 #: The keys of a budget choice (``budgets:`` and each entry of ``paths:``).

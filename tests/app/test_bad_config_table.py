@@ -46,6 +46,9 @@ HYDRA_ROWS = [
     ("validate", ["cudagraph.verify=1"], "verify"),
     ("predict", ["cudagraph.cast_weights_per_run=yes"], "cast_weights_per_run"),
     ("predict", ["cudagraph.encoder_data_parallel=2"], "encoder_data_parallel"),
+    # the app's stage must be one the callback serves
+    ("predict", ["cudagraph.stages=[validate]"], "cudagraph.stages"),
+    ("train", ["cudagraph.stages=[test,predict]"], "cudagraph.stages"),
     # budgets: integers, in a list, in range
     ("predict", ["cudagraph.budgets.budgets=[64.9,128.7]"], "budgets"),
     ("predict", ["cudagraph.budgets.budgets=[true,64]"], "budgets"),

@@ -1,5 +1,9 @@
 """GraphConfig's budget choices: what a path's entry inherits from ``budgets``."""
 
+import re
+
+import pytest
+
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 
 
@@ -33,3 +37,16 @@ def test_a_path_generating_its_ladder_drops_the_global_explicit_one():
 def test_compile_only_options_are_accepted_with_compile():
     config = GraphConfig.from_options(budgets={"align": 32, "compiled_ratio": 1.2}, compile=True)
     assert (config.budgets.align, config.budgets.compiled_ratio) == (32, 1.2)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"paths": {"image": {"max_budget": "x"}}}, "paths.image.max_budget must be"),
+        ({"budgets": {"min_budget": 0}}, "budgets.min_budget must be"),
+        ({"budgets": {"ratio": 1.5}}, "budgets.ratio=1.5 applies only to ladder"),
+    ],
+)
+def test_a_bad_budget_key_is_named_with_the_option_that_holds_it(options, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        GraphConfig.from_options(**options)
