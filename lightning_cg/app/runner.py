@@ -191,7 +191,7 @@ def print_report(report: RunReport, console: Console | None = None) -> None:
     else:
         console.print(
             "The tower ran on the CPU: CUDA graphs need a CUDA device, so the callback ran "
-            "its CPU path (the same packing and padding; nothing captured or replayed)."
+            "its CPU path (eager, or the padded budget path; nothing captured or replayed)."
         )
 
 

@@ -28,10 +28,11 @@ def report_rebinding(outcome: str) -> None:
 
 
 def report_cpu_path() -> None:
-    """Say that without CUDA the tower runs the budget path without capture."""
+    """Say that without CUDA nothing is captured, and how sub-batches run instead."""
     rank_zero_info(
-        "CUDAGraphCallback: CUDA graphs need a CUDA device; the tower is on the CPU, so "
-        "batches run the same budget path (pack, pad, scatter) without capture."
+        "CUDAGraphCallback: CUDA graphs need a CUDA device and the tower is on the CPU, so "
+        "nothing is captured: a sub-batch the capture rule would give a graph runs the same "
+        "budget path without one (packed, padded), the others run eagerly."
     )
 
 
@@ -54,8 +55,9 @@ def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_c
         logger.log_metrics(metrics, step=trainer.global_step)
     if not on_cuda:
         rank_zero_info(
-            f"CUDAGraphCallback ({stage}): {stats['sub_batches']:.0f} sub-batches ran the "
-            f"CPU path (no CUDA graphs), padding waste {stats['padding_waste']:.1%}"
+            f"CUDAGraphCallback ({stage}): no CUDA graphs on the CPU; {stats['hits']:.0f} "
+            f"sub-batch paths ran the padded budget path, {stats['misses']:.0f} eagerly, "
+            f"padding waste {stats['padding_waste']:.1%}"
         )
     else:
         compiling = stats.get("compile_seconds_run", 0.0)
