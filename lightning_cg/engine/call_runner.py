@@ -61,9 +61,15 @@ class CallRunner:
         self.timer.clear()
 
     def run_eagerly(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
-        """Every path of the whole call eagerly, as one sub-batch."""
+        """Every path of the whole call eagerly, as one sub-batch (a call that needs
+        gradients: graphs hold no autograd state); counted as ``eager_grad_enabled``."""
         call = _Call(torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
-        self._run_eagerly(call, self._sub_batch(inputs, list(range(len(specs))), specs))
+        sub_batch = self._sub_batch(inputs, list(range(len(specs))), specs)
+        self._run_eagerly(call, sub_batch)
+        self.stats.sub_batches += 1
+        for path in self.path_names:
+            if any(sub_batch.tokens(path)):
+                self.stats.count_eager("grad_enabled")
         return call.outputs
 
     def run(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
