@@ -35,7 +35,7 @@ from lightning_cg.callback.report import (
 )
 from lightning_cg.callback.trainer_runs import total_batches, validation_runs_after
 from lightning_cg.core.dispatcher import GraphMode
-from lightning_cg.engine.binding import CHANGED, TensorBinding
+from lightning_cg.engine.binding import CHANGED, TensorBinding, tensor_layouts
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder
 from lightning_cg.engine.manager import EncoderGraphManager
@@ -103,6 +103,8 @@ class CUDAGraphCallback(Callback):
         self.last_stats: dict[str, float] = {}
         self._tower: nn.Module | None = None
         self._binding: TensorBinding | None = None
+        #: The tower's tensor layouts when keep_graphs=False last cleared its graphs.
+        self._cleared_layouts: dict[str, tuple] | None = None
         self._swapped: tuple[bool, Any] | None = None
         self._told_cpu = False
         #: The manager serving the current run: ``manager``, or the eager one.
@@ -134,7 +136,7 @@ class CUDAGraphCallback(Callback):
             return
         if self.manager is None or tower is not self._tower:
             self._tower = tower
-            self._binding = None
+            self._binding = self._cleared_layouts = None
             self.manager = self._build_manager(tower)
 
     def _build_manager(
@@ -263,6 +265,9 @@ class CUDAGraphCallback(Callback):
     def _bind_tensors(self) -> None:
         """Keep the graphs reading the tower's current values (see ``engine.binding``)."""
         if self._binding is None:
+            cleared, self._cleared_layouts = self._cleared_layouts, None
+            if cleared is not None and cleared != tensor_layouts(self._tower):
+                self.manager.clear()  # new shapes or dtypes: what the old graphs measured goes
             self._binding = TensorBinding(self._tower)
             return
         outcome = self._binding.rebind(self._tower)
@@ -280,5 +285,7 @@ class CUDAGraphCallback(Callback):
         on_cuda = next(self._tower.parameters(), torch.empty(0)).is_cuda
         report_run(trainer, self.last_stats, stage, on_cuda)
         if not self.keep_graphs:
-            self.manager.clear()
+            # Timings kept for graphs of the same tower; _bind_tensors forgets them otherwise.
+            self.manager.clear(keep_timings=True)
             self._binding = None
+            self._cleared_layouts = tensor_layouts(self._tower)

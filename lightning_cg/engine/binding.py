@@ -67,6 +67,13 @@ class TensorBinding:
         return REBOUND
 
 
+def tensor_layouts(module: nn.Module) -> dict[str, tuple]:
+    """Each parameter's and buffer's shape, dtype and device: what a graph of the module
+    depends on besides the values (no tensor is kept alive)."""
+    _, tensors = _tensors_of(module)
+    return {name: (t.shape, t.dtype, t.device) for name, t in tensors.items()}
+
+
 def _tensors_of(module: nn.Module) -> tuple[dict[str, _Slot], dict[str, torch.Tensor]]:
     """Every parameter and buffer by qualified name: where it lives, and its data."""
     slots, tensors = {}, {}

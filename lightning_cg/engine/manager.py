@@ -130,14 +130,20 @@ class EncoderGraphManager:
         """Whether any graph has been captured (or, without CUDA, prepared)."""
         return len(self.cache) > 0
 
-    def clear(self) -> None:
+    def clear(self, keep_timings: bool = False) -> None:
         """Drop every graph, buffer and the pool; keys are captured again when they pay.
-        What capture faults taught (dropped budgets, eager paths) stays."""
+        What capture faults taught (dropped budgets, eager paths) stays.
+
+        Args:
+            keep_timings: the same graphs would come back (the tower unchanged): keep what
+                their replays measured, so a graph measured slower than eager stays eager.
+        """
         self.cache.clear()
         if self.weight_casts is not None:
             self.weight_casts.clear()
         self.runner.forget_graphs()
-        self.policy.forget_graphs()
+        if not keep_timings:
+            self.policy.forget_graphs()
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
         self.stats.weight_copy_bytes = 0

@@ -8,6 +8,7 @@ from examples.data.synthetic import SyntheticDataModule
 from examples.models.lit import VisionClassifier, build_tower
 from examples.models.packed_vit import PackedViT
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
+from lightning_cg.engine.manager import EncoderGraphManager
 
 TINY = dict(hidden_size=32, depth=1, num_heads=2, patch_size=4, out_hidden_size=16)
 BUDGETS = {"min_budget": 8, "max_budget": 256}
@@ -186,6 +187,27 @@ def test_keep_graphs_false_frees_graphs_after_each_run():
     callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=False, capture="first_use")
     trainer(callback).predict(model(), datamodule())
     assert not callback.manager.is_captured()
+
+
+def test_keep_graphs_false_keeps_timings_until_the_tower_changes(monkeypatch):
+    # Freed graphs come back the same (a graph measured slower stays eager), unless the
+    # tower's tensors changed shape, dtype or number by the next run.
+    kept = []
+    clear = EncoderGraphManager.clear
+
+    def recording_clear(self, keep_timings=False):
+        kept.append(keep_timings)
+        clear(self, keep_timings)
+
+    monkeypatch.setattr(EncoderGraphManager, "clear", recording_clear)
+    callback = CUDAGraphCallback(budgets=BUDGETS, keep_graphs=False, capture="first_use")
+    net, data = model(), datamodule()
+    trainer(callback).predict(net, data)
+    trainer(callback).predict(net, data)
+    assert kept == [True, True]
+    net.vision_tower.register_buffer("scale", torch.ones(1))
+    trainer(callback).predict(net, data)
+    assert kept == [True, True, False, True]
 
 
 def test_stages_limit_where_graphs_run():

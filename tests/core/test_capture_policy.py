@@ -395,6 +395,16 @@ def test_manager_sends_a_key_whose_graph_is_slower_back_to_eager():
         torch.testing.assert_close(output, expected)
     stats = manager.stats
     assert (stats.eager_no_graph_yet, stats.hits, stats.eager_measured_slower) == (1, SAMPLES, 2)
+    # Graphs freed for memory (keep_graphs=False) come back the same: the key stays eager.
+    manager.clear(keep_timings=True)
+    manager.begin_run(expected_calls=1000)
+    run_calls(manager, inputs, 3)
+    assert (stats.hits, stats.eager_policy, len(manager.cache)) == (0, 3, 0)
+    # A tower that changed forgets what the old graphs measured: captured and timed anew.
+    manager.clear()
+    manager.begin_run(expected_calls=1000)
+    run_calls(manager, inputs, 2)
+    assert stats.hits == 2 and len(manager.cache) == 1
 
 
 def test_upfront_captures_each_paths_whole_ladder_at_its_first_call():
