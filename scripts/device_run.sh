@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (see BENCHMARKS.md): Hydra wheels, then steps.
-# Usage there: bash scripts/device_run.sh cuda-tests "bench:NAME:OVERRIDES..." ...
+# Usage there: bash scripts/device_run.sh cuda-tests demo "bench:NAME:OVERRIDES..." \
+#   "trainer:NAME:BENCH_TRAINER_ARGS..." ...
+# A trainer step runs scripts/bench_trainer.py here, then the same arguments in .baseline/
+# when it exists (scripts/bench_baseline.sh puts a reference library there), in one call.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -14,7 +17,22 @@ for step in "$@"; do
       python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=300 > "$OUT/cuda-tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR" "$OUT/cuda-tests.log" | tail -30 ;;
     demo)
-      python3 scripts/predict.py trainer=gpu compare_eager=true hydra.run.dir=/tmp/hydra 2>&1 | tail -22 ;;
+      # What `make demo` runs.
+      python3 scripts/predict.py data.batch_size=1 data.repeats=4 trainer=gpu \
+        hydra.run.dir=/tmp/hydra 2>&1 | tail -22 ;;
+    trainer:*)
+      IFS=: read -r _ name args <<< "$step"
+      # shellcheck disable=SC2086
+      timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench_trainer.py $args --overwrite \
+        --output "$OUT/$name.json" > "/tmp/$name.log" 2>&1
+      tail -25 "/tmp/$name.log"
+      if [ -d .baseline ]; then
+        # shellcheck disable=SC2086
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD timeout "${BENCH_TIMEOUT:-240}" \
+          python3 scripts/bench_trainer.py $args --overwrite --output "$OUT/$name-baseline.json") \
+          > "/tmp/$name-baseline.log" 2>&1
+        tail -25 "/tmp/$name-baseline.log"
+      fi ;;
     bench:*)
       IFS=: read -r _ name overrides <<< "$step"
       # shellcheck disable=SC2086
