@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -114,6 +113,32 @@ def check_batches_not_sharded(trainer: pl.Trainer, stage: str) -> None:
                 )
 
 
+def check_sampler_setting(trainer: pl.Trainer) -> None:
+    """Refuse ``encoder_data_parallel`` under a Trainer that shards every stage's data over
+    ranks; at a fit's start, so before any training (its validation data is set up later)."""
+    # Private, so read defensively: without it, each run's start checks the dataloaders.
+    if getattr(getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", False):
+        raise ValueError(
+            "encoder_data_parallel=True shares out the items of a batch that every rank "
+            "holds, but this Trainer gives each rank its own batches "
+            "(use_distributed_sampler=True): pass Trainer(use_distributed_sampler=False) so "
+            "that every rank gets the same batches, or encoder_data_parallel=False"
+        )
+
+
+def check_adapter_serves(adapter: Any, tower: nn.Module, path: str | None) -> None:
+    """Refuse an adapter object built on another module than the tower the callback serves."""
+    if not isinstance(adapter, GraphableEncoder):
+        return
+    wrapped = getattr(adapter, "tower", tower)
+    if wrapped is not tower:
+        raise ValueError(
+            f"adapter={type(adapter).__name__} wraps a {type(wrapped).__name__} that is not "
+            f"the tower at module={path!r} ({type(tower).__name__}): build the adapter on that "
+            "tower, or pass its class or a factory, which the callback calls with the tower"
+        )
+
+
 def _flat(loaders: Any) -> list[Any]:
     """The dataloaders of a stage's loader collection (one, a list or a mapping)."""
     if isinstance(loaders, Mapping):
@@ -132,14 +157,17 @@ def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:
     """The submodule at a dotted attribute path, or for None the one tower (:func:`find_tower`)."""
     if path is None:
         return find_tower(pl_module)[1]
-    try:
-        module = operator.attrgetter(path)(pl_module)
-    except AttributeError:
-        children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
-        raise ValueError(
-            f"module={path!r} does not exist on {type(pl_module).__name__}; "
-            f"its child modules: {children}"
-        ) from None
+    module, walked = pl_module, []
+    for part in path.split("."):
+        if not hasattr(module, part):
+            where = ".".join(walked) or type(pl_module).__name__
+            children = ", ".join(name for name, _ in module.named_children()) or "none"
+            raise ValueError(
+                f"module={path!r} does not exist: {where} has no {part!r}; "
+                f"its child modules: {children}"
+            )
+        module = getattr(module, part)
+        walked.append(part)
     if not isinstance(module, nn.Module):
         raise ValueError(f"module={path!r} is a {type(module).__name__}, not a torch.nn.Module")
     return module

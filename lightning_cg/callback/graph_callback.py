@@ -17,9 +17,11 @@ from lightning_cg.adapters import adapter_for
 from lightning_cg.callback.checks import (
     STAGES,
     AdapterFactory,
+    check_adapter_serves,
     check_batches_not_sharded,
     check_callback_args,
     check_one_callback_per_tower,
+    check_sampler_setting,
     check_strategy,
     find_tower,
     graph_config,
@@ -134,9 +136,12 @@ class CUDAGraphCallback(Callback):
             )
             self._tower = self.manager = self._binding = None
             return
+        check_adapter_serves(self.adapter, tower, self.module)
         if self.manager is None or tower is not self._tower:
+            # A new tower gets its own managers; a capture failure stays agreed (see
+            # _agree_graphs_usable): the new tower runs eagerly through a manager of its own.
             self._tower = tower
-            self._binding = self._cleared_layouts = None
+            self._binding = self._cleared_layouts = self._eager = None
             self.manager = self._build_manager(tower)
 
     def _build_manager(
@@ -147,9 +152,11 @@ class CUDAGraphCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Before training: a tower that cannot be served is refused before any work.
+        # Before training: a tower or data the callback cannot serve is refused before any work.
         if "validate" in self.stages:
             self._attach(trainer, pl_module)
+            if self._data_parallel(trainer):
+                check_sampler_setting(trainer)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -244,12 +251,16 @@ class CUDAGraphCallback(Callback):
         self, trainer: pl.Trainer, stage: str
     ) -> Callable[[EncoderGraphManager, Any], Any]:
         """``manager.execute``, or its data-parallel form over the default process group."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if not (self.encoder_data_parallel and distributed and trainer.world_size > 1):
+        if not self._data_parallel(trainer):
             return EncoderGraphManager.execute
         check_batches_not_sharded(trainer, stage)
         device = trainer.strategy.root_device
         return lambda manager, inputs: execute_data_parallel(manager, inputs, device=device)
+
+    def _data_parallel(self, trainer: pl.Trainer) -> bool:
+        """Whether ranks share out each batch's items (encoder_data_parallel, several ranks)."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return self.encoder_data_parallel and distributed and trainer.world_size > 1
 
     def restore(self) -> None:
         """Put the tower's original forward back (safe to call at any time)."""

@@ -16,7 +16,7 @@ import torch
 from distributed import run_ranks
 from lightning.pytorch.callbacks import BasePredictionWriter
 from test_app import ROOT, SMALL_DATA, TINY_TOWER
-from test_callback import BUDGETS, datamodule, model, trainer
+from test_callback import BUDGETS, RecordingModel, datamodule, model, trainer
 
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
@@ -170,6 +170,22 @@ def test_encoder_data_parallel_refuses_data_sharded_over_ranks_before_any_batch(
     for result in load_ranks(tmp_path):
         assert "use_distributed_sampler=False" in result["error"]
         assert "DistributedSampler" in result["error"] and result["steps"] == []
+
+
+def _data_parallel_fit_on_sharded_data(rank: int, world_size: int, out: Path) -> None:
+    callback = CUDAGraphCallback(budgets=BUDGETS, encoder_data_parallel=True, capture="first_use")
+    net = RecordingModel()
+    try:
+        ddp_trainer(callback, max_epochs=1, num_sanity_val_steps=2).fit(net, datamodule(NUM_ITEMS))
+    except ValueError as error:
+        torch.save({"error": str(error), "steps": net.training_forwards}, out / f"rank{rank}.pt")
+
+
+def test_encoder_data_parallel_refuses_a_sharding_fit_before_training(tmp_path):
+    run_ranks(_data_parallel_fit_on_sharded_data, WORLD_SIZE, tmp_path, backend=None)
+    for result in load_ranks(tmp_path):
+        assert "use_distributed_sampler=True" in result["error"]
+        assert result["steps"] == []  # no training step ran
 
 
 # ------------------------------------------------------------- agreed fallback

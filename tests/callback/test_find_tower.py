@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 from torchvision.models import resnet18
 
 from examples.models.lit import build_tower
+from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.callback.checks import find_tower
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
 
@@ -208,3 +209,63 @@ def test_a_tower_built_in_configure_model_or_setup_is_served(hook, module):
     assert callback.module == "backbone" and callback._tower is model.backbone
     assert callback.last_stats["items"] == 4 and callback.last_stats["hits"] > 0
     torch.testing.assert_close(graphed, torch.cat(trainer().predict(model, images)))
+
+
+class Backbone(LightningModule):
+    """A resnet at ``backbone``, replaced between runs in the tests below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.backbone = resnet18(num_classes=4).eval()
+
+    def predict_step(self, batch, batch_idx):
+        return self.backbone(batch)
+
+
+def replace_backbone(model: Backbone) -> None:
+    torch.manual_seed(5)
+    model.backbone = resnet18(num_classes=4).eval()
+
+
+class FailingCapture(BatchedEncoderAdapter):
+    """Every capture fails with an error the callback turns into eager runs."""
+
+    def capture_inputs(self, spec):
+        raise RuntimeError("capture exploded")
+
+
+def test_a_tower_replaced_after_a_capture_failure_is_served_itself():
+    images = DataLoader(torch.randn(6, 3, 32, 32), batch_size=3)
+    model = Backbone()
+    callback = CUDAGraphCallback(module="backbone", adapter=FailingCapture, capture="first_use")
+    run = trainer(callback)
+    with pytest.warns(RuntimeWarning, match="capture exploded"):
+        run.predict(model, images)
+    run.predict(model, images)  # eager: the capture failed
+    replace_backbone(model)
+
+    served = torch.cat(run.predict(model, images))  # eager still, through the new tower
+
+    torch.testing.assert_close(served, torch.cat(trainer().predict(model, images)))
+    assert callback.last_stats["hits"] == 0 and callback.last_stats["items"] == 6
+
+
+def test_an_adapter_object_of_another_module_is_refused_naming_both():
+    images = DataLoader(torch.randn(6, 3, 32, 32), batch_size=3)
+    model = Backbone()
+    callback = CUDAGraphCallback(module="backbone", adapter=BatchedEncoderAdapter(model.backbone))
+    trainer(callback).predict(model, images)
+    replace_backbone(model)
+    with pytest.raises(
+        ValueError, match="wraps a ResNet that is not the tower at module='backbone'"
+    ):
+        trainer(callback).predict(model, images)
+
+
+def test_a_missing_nested_module_names_the_level_that_lacks_it():
+    model = Holder(encoder=nn.ModuleDict({"net": nn.Linear(4, 4)}))
+    callback = CUDAGraphCallback(module="encoder.nope")
+    with pytest.raises(ValueError, match="encoder has no 'nope'; its child modules: net"):
+        predict_with(callback, model)
+    assert model.steps == 0
