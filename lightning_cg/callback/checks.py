@@ -105,12 +105,7 @@ def check_batches_not_sharded(trainer: pl.Trainer, stage: str) -> None:
         batch_sampler = getattr(loader, "batch_sampler", None)
         for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
             if isinstance(sampler, DistributedSampler):
-                raise ValueError(
-                    "encoder_data_parallel=True shares out the items of a batch that every rank "
-                    f"holds, but the {stage} dataloader gives each rank its own batches "
-                    f"({type(sampler).__name__}): pass Trainer(use_distributed_sampler=False) "
-                    "so that every rank gets the same batches, or encoder_data_parallel=False"
-                )
+                raise _sharded_data(f"the {stage} dataloader", type(sampler).__name__)
 
 
 def check_sampler_setting(trainer: pl.Trainer) -> None:
@@ -118,12 +113,16 @@ def check_sampler_setting(trainer: pl.Trainer) -> None:
     ranks; at a fit's start, so before any training (its validation data is set up later)."""
     # Private, so read defensively: without it, each run's start checks the dataloaders.
     if getattr(getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", False):
-        raise ValueError(
-            "encoder_data_parallel=True shares out the items of a batch that every rank "
-            "holds, but this Trainer gives each rank its own batches "
-            "(use_distributed_sampler=True): pass Trainer(use_distributed_sampler=False) so "
-            "that every rank gets the same batches, or encoder_data_parallel=False"
-        )
+        raise _sharded_data("this Trainer", "use_distributed_sampler=True")
+
+
+def _sharded_data(source: str, how: str) -> ValueError:
+    return ValueError(
+        "encoder_data_parallel=True shares out the items of a batch that every rank holds, "
+        f"but {source} gives each rank its own batches ({how}): pass "
+        "Trainer(use_distributed_sampler=False) so that every rank gets the same batches, "
+        "or encoder_data_parallel=False"
+    )
 
 
 def check_adapter_serves(adapter: Any, tower: nn.Module, path: str | None) -> None:

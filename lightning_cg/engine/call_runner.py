@@ -127,34 +127,36 @@ class CallRunner:
             return
         total = sum(route.tokens for route in routes) or 1
         path_tokens = {path: sum(sub_batch.tokens(path)) for path in self.path_names}
-
-        def record(seconds: float) -> None:
-            for key, tokens in timed.items():
-                self.policy.record_eager(key, seconds * tokens / total, tokens)
-            # The call's time by path, by tokens as above, for the path's cost line.
-            for path, tokens in path_tokens.items():
-                if tokens:
-                    self.policy.record_eager_call(path, tokens, seconds * tokens / total)
-
-        with self.timer.timed(record) as timing:
+        with self.timer.timed(self._eager_recorder(timed, path_tokens, total)) as timing:
             timing.on_cuda = self._run_eagerly(call, sub_batch)
 
     def _run_eager_path(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
         """One path of a sub-batch whose other paths replay, eagerly; timed while its key's
         eager time is still learned (else a key first seen beside a graph never captures)."""
-        key = route.key
+        key, tokens = route.key, route.tokens
         if key is None or not self.policy.wants_eager_timing(key):
             rows = self._eager(call, path, sub_batch)
         else:
-
-            def record(seconds: float) -> None:
-                self.policy.record_eager(key, seconds, route.tokens)
-                self.policy.record_eager_call(path, route.tokens, seconds)
-
+            record = self._eager_recorder({key: tokens}, {path: tokens}, tokens)
             with self.timer.timed(record) as timing:
                 rows = self._eager(call, path, sub_batch)
                 timing.on_cuda = rows.is_cuda
         call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
+
+    def _eager_recorder(
+        self, key_tokens: dict[GraphKey, int], path_tokens: dict[str, int], total: int
+    ) -> Callable[[float], None]:
+        """Hands an eager run's seconds to the policy, shared by tokens: per key, and per
+        path for its cost line."""
+
+        def record(seconds: float) -> None:
+            for key, tokens in key_tokens.items():
+                self.policy.record_eager(key, seconds * tokens / total, tokens)
+            for path, tokens in path_tokens.items():
+                if tokens:
+                    self.policy.record_eager_call(path, tokens, seconds * tokens / total)
+
+        return record
 
     def _run_graph(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
         key, graph, total = route.key, route.graph, route.tokens
