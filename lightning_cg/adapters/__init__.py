@@ -7,6 +7,7 @@ never Lightning, Hydra, serve, the callback or the app.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,7 +85,6 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
 
 def adapter_name_by_type(tower: nn.Module) -> str | None:
     """The adapter name ``adapter_for(tower)`` picks by type; None when none fits."""
-    from lightning_cg.adapters.hf import is_transformers_tower
     from lightning_cg.adapters.qwen import qwen_tower_kind
 
     if takes_packed_patches(tower) or qwen_tower_kind(tower) is not None:
@@ -94,6 +94,14 @@ def adapter_name_by_type(tower: nn.Module) -> str | None:
     if is_transformers_tower(tower):
         return "hf"
     return None
+
+
+def is_transformers_tower(tower: nn.Module) -> bool:
+    """Whether ``tower`` is a transformers ``PreTrainedModel`` taking ``pixel_values``."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(tower, transformers.PreTrainedModel):
+        return False
+    return "pixel_values" in forward_parameters(tower)
 
 
 def forward_parameters(tower: nn.Module) -> list[str]:

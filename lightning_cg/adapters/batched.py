@@ -12,7 +12,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lightning_cg.adapters import join_rows, select_rows
+from lightning_cg.adapters import is_transformers_tower, join_rows, select_rows
 from lightning_cg.engine.budget_memory import MIN_ELEMENT_BYTES
 from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, ItemSpec, PathConfig
 
@@ -35,6 +35,8 @@ class BatchedEncoderAdapter:
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size}")
         self.tower = tower
         self.max_batch_size = max_batch_size
+        if type(self) is BatchedEncoderAdapter and is_transformers_tower(tower):
+            raise TypeError(self._convention_message("a transformers model returns a ModelOutput"))
         self._forward = type(tower).forward.__get__(tower)
         first = next(iter(inspect.signature(self._forward).parameters.values()), None)
         self._input_name = None if first is None else first.name

@@ -9,7 +9,6 @@ transformers is an optional dependency: imported only when needed, never to reco
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,14 +43,6 @@ def require_transformers(what: str) -> Any:
             f"{INSTALL_HINT}"
         ) from error
     return transformers
-
-
-def is_transformers_tower(tower: nn.Module) -> bool:
-    """Whether ``tower`` is a transformers ``PreTrainedModel`` taking ``pixel_values``."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(tower, transformers.PreTrainedModel):
-        return False
-    return "pixel_values" in inspect.signature(type(tower).forward).parameters
 
 
 @dataclass(frozen=True)

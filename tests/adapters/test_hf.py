@@ -238,10 +238,9 @@ def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
 # ---------------------------------------------------------------- errors
 
 
-def test_batched_adapter_on_a_transformers_tower_names_the_hf_adapter():
-    adapter = adapter_for(tiny_tower("clip"), "batched")
-    with pytest.raises(TypeError, match="BaseModelOutputWithPooling.*adapter='hf'"):
-        adapter.eager_forward(IMAGE_PATH, torch.randn(1, 3, 32, 32))
+def test_batched_adapter_on_a_transformers_tower_is_refused_naming_the_hf_adapter():
+    with pytest.raises(TypeError, match="returns a ModelOutput.*CLIPVisionModel, use adapter='hf'"):
+        adapter_for(tiny_tower("clip"), "batched")
 
 
 def test_packed_adapter_on_a_batch_first_tower_names_what_it_lacks():

@@ -269,3 +269,11 @@ def test_a_missing_nested_module_names_the_level_that_lacks_it():
     with pytest.raises(ValueError, match="encoder has no 'nope'; its child modules: net"):
         predict_with(callback, model)
     assert model.steps == 0
+
+
+def test_a_named_adapter_that_cannot_serve_the_tower_is_refused_before_any_batch():
+    model = Holder(clip=tiny_clip())
+    callback = CUDAGraphCallback(module="clip.vision_model", adapter="batched")
+    with pytest.raises(TypeError, match="use adapter='hf'"):
+        predict_with(callback, model)
+    assert model.steps == 0
