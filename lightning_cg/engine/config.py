@@ -239,15 +239,25 @@ class GraphConfig:
         path_budgets = {
             path: choice
             if isinstance(choice, BudgetConfig)
-            else BudgetConfig.from_mapping(
-                f"paths.{path}",
-                _path_mapping(_as_mapping(budgets), _as_mapping(choice, f"paths.{path}")),
-            )
+            else _path_budgets(path, budgets, choice)
             for path, choice in (paths or {}).items()
         }
         if splitting_ops is not None:
             options["splitting_ops"] = splitting_ops
         return cls(budgets=base, paths=path_budgets, **options)
+
+
+def _path_budgets(path: str, budgets: Any, choice: Any) -> BudgetConfig:
+    """``paths.<path>``'s BudgetConfig; an error names the keys it took from ``budgets``."""
+    own = _as_mapping(choice, f"paths.{path}")
+    merged = _path_mapping(_as_mapping(budgets), own)
+    try:
+        return BudgetConfig.from_mapping(f"paths.{path}", merged)
+    except ValueError as error:
+        inherited = ", ".join(f"{k}={v!r}" for k, v in merged.items() if k not in own)
+        if not inherited:
+            raise
+        raise ValueError(f"{error} ({inherited} from budgets)") from None
 
 
 def _path_mapping(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:

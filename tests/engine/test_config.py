@@ -34,6 +34,17 @@ def test_a_path_generating_its_ladder_drops_the_global_explicit_one():
     assert config.paths["local"] == BudgetConfig(max_budget=64)
 
 
+def test_a_path_error_names_the_keys_it_took_from_budgets():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "paths.local.min_budget must be <= max_budget; got min_budget=64, "
+            "max_budget=32 (min_budget=64 from budgets)"
+        ),
+    ):
+        GraphConfig.from_options(budgets={"min_budget": 64}, paths={"local": {"max_budget": 32}})
+
+
 def test_compile_only_options_are_accepted_with_compile():
     config = GraphConfig.from_options(budgets={"align": 32, "compiled_ratio": 1.2}, compile=True)
     assert (config.budgets.align, config.budgets.compiled_ratio) == (32, 1.2)
