@@ -13,8 +13,8 @@ class GraphStats:
     by reason in ``eager_*``). Graphs count CUDA graphs held (one per FULL key, one per
     piece of a PIECEWISE key). Pool bytes: reserved CUDA memory growth while capturing.
     Weight copy bytes: the low-precision weight copies graphs read (held while graphs are).
-    Host seconds: replays' host time (nothing waits for the GPU); launch seconds: its
-    graph-launch part. Compile seconds: a compiled encoder's first forwards (part of
+    Host seconds: served replays' host time (nothing waits for the GPU); launch seconds:
+    its graph-launch part. Compile seconds: a compiled encoder's first forwards (part of
     capture). Checked replays: replays also run eagerly to compare.
     """
 

@@ -163,11 +163,11 @@ class CallRunner:
         started = time.perf_counter()
         if self.policy.wants_graph_timing(key):
             with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
-                rows = replay(graph, self.encoder, sub_batch.inputs, total, self.stats)
+                rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total)
                 t.on_cuda = rows.is_cuda
         else:
-            rows = replay(graph, self.encoder, sub_batch.inputs, total, self.stats)
-        self.stats.host_seconds += time.perf_counter() - started
+            rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total)
+        host_seconds = time.perf_counter() - started
         items = len(sub_batch.indices)
         if self.config.verify and not graph.verified:
             check_replay(graph, path, rows, self._eager(call, path, sub_batch))
@@ -188,6 +188,8 @@ class CallRunner:
             self.stats.piecewise_hits += graph.pieces is not None
             self.stats.real_tokens += total
             self.stats.padded_tokens += key.descriptor.num_tokens - total
+            self.stats.host_seconds += host_seconds
+            self.stats.launch_seconds += launch_seconds
         call.outputs.add(path, sub_batch.indices, served, sub_batch.tokens(path))
 
     def _checked_against_eager(

@@ -93,8 +93,10 @@ class GraphCapturer:
         if self.cache.has_pool:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-        stats.capture_seconds += seconds
-        stats.capture_seconds_run += seconds
+        # Without a pool no graph was captured (a CPU tower's buffers only): the stats say 0.
+        if self.cache.has_pool:
+            stats.capture_seconds += seconds
+            stats.capture_seconds_run += seconds
         stats.pool_bytes += max(0, _reserved_bytes() - reserved_before)
         stats.graphs_captured += max(0, self.cache.num_cuda_graphs - graphs_before)
         stats.graphs = self.cache.num_cuda_graphs

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from lightning_cg.core.stats import GraphStats
 from lightning_cg.engine.cache import CapturedGraph
 from lightning_cg.engine.encoder import GraphableEncoder
 
@@ -24,10 +23,10 @@ TF32_TOLERANCE = 5e-3
 
 
 def replay(
-    graph: CapturedGraph, encoder: GraphableEncoder, inputs: Any, total: int, stats: GraphStats
-) -> torch.Tensor:
+    graph: CapturedGraph, encoder: GraphableEncoder, inputs: Any, total: int
+) -> tuple[torch.Tensor, float]:
     """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real
-    rows, contiguous; the launch's host seconds go to ``stats.launch_seconds``."""
+    rows, contiguous; returns them and the launch's host seconds."""
     path = graph.spec.path
     graph.static_inputs.fill(encoder.replay_inputs(path, inputs), path)
     launched = time.perf_counter()
@@ -36,10 +35,10 @@ def replay(
         output = graph.output
     else:
         output = graph.run()
-    stats.launch_seconds += time.perf_counter() - launched
+    launch_seconds = time.perf_counter() - launched
     # Contiguous: channels_last weight copies end in channels_last maps; eager's are not.
     rows = output if output.shape[0] == total else output[:total]
-    return rows.clone(memory_format=torch.contiguous_format)
+    return rows.clone(memory_format=torch.contiguous_format), launch_seconds
 
 
 def check_replay(

@@ -63,6 +63,7 @@ def test_a_tower_whose_rows_interact_gets_eager_outputs_and_one_warning(how):
     stats = manager.stats
     assert (stats.eager_rows_interact, stats.misses, stats.hits) == (3, 3, 0)
     assert (stats.real_tokens, stats.padded_tokens) == (0, 0)
+    assert (stats.host_seconds, stats.launch_seconds) == (0, 0)
 
 
 def test_a_tower_of_independent_rows_is_checked_once_and_replays():
