@@ -31,7 +31,7 @@ def _node_type(annotation: Any) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is bool:
         return Any
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+    if any(isinstance(arg, type) and issubclass(arg, enum.Enum) for arg in (annotation, *args)):
         return str
     if annotation is BudgetConfig:
         return BudgetsSchema

@@ -167,7 +167,8 @@ class GraphConfig:
             refreshed each run; false: every replay casts (and sees weights changed mid-run).
     """
 
-    mode: GraphMode = GraphMode.FULL
+    # str too: LightningCLI parses an enum by its member's name (FULL), users write its value.
+    mode: GraphMode | str = GraphMode.FULL
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
     paths: Mapping[str, BudgetConfig] = field(default_factory=dict)
     max_items_per_batch: int | None = None

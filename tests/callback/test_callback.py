@@ -372,3 +372,6 @@ def test_lightning_cli_adds_the_callback():
         "--trainer.callbacks.config.max_items_per_batch=2",
     )
     assert configured.config.max_items_per_batch == 2
+    # A mode inside config is its value, as beside it.
+    moded = callback_from("--trainer.callbacks.config.mode=piecewise")
+    assert moded.mode.name == "PIECEWISE" and moded.config.mode is moded.mode
