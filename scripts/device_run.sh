@@ -3,7 +3,8 @@
 # Usage there: bash scripts/device_run.sh cuda-tests demo "bench:NAME:OVERRIDES..." \
 #   "trainer:NAME:BENCH_TRAINER_ARGS..." ...
 # A trainer step runs scripts/bench_trainer.py here, then the same arguments in .baseline/
-# when it exists (scripts/bench_baseline.sh puts a reference library there), in one call.
+# when it exists (scripts/bench_baseline.sh puts a reference library there), in one call,
+# and compares the two (scripts/compare_trainer.py).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -32,6 +33,7 @@ for step in "$@"; do
           python3 scripts/bench_trainer.py $args --overwrite --output "$OUT/$name-baseline.json") \
           > "/tmp/$name-baseline.log" 2>&1
         tail -25 "/tmp/$name-baseline.log"
+        python3 scripts/compare_trainer.py "$OUT/$name.json" "$OUT/$name-baseline.json"
       fi ;;
     bench:*)
       IFS=: read -r _ name overrides <<< "$step"

@@ -1,0 +1,62 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def row(workload: str, run: str, vs_eager: float, captured: int = 0, held: int = 1) -> dict:
+    stats = {"graphs": float(held)}
+    return dict(
+        workload=workload,
+        batches=100,
+        run=run,
+        vs_eager=vs_eager,
+        graphs_captured=captured,
+        callback_stats=stats,
+    )
+
+
+def compare(tmp_path: Path, current: list[dict], reference: list[dict]):
+    paths = []
+    for name, rows in (("current", current), ("reference", reference)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(rows))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare_trainer.py"), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_rows_that_keep_every_target_pass(tmp_path):
+    current = [row("vit/batch_8", "first", 2.0, captured=1), row("vit/batch_8", "second", 3.5)]
+    reference = [row("vit/batch_8", "first", 2.0), row("vit/batch_8", "second", 3.6)]
+    result = compare(tmp_path, current, reference)
+    assert result.returncode == 0, result.stdout
+    assert "vit/batch_8 100 batches, second run: 3.50x eager, reference 3.60x, 0.97 of it" in (
+        result.stdout
+    )
+
+
+def test_each_missed_target_is_named(tmp_path):
+    sides = "multiscale/resnet50/batch_16"
+    current = [
+        row("vit/batch_8", "first", 0.9),
+        row("vit/batch_8", "second", 3.0, captured=2),
+        row(sides, "third", 1.2, held=3),
+        row(sides, "fourth", 1.5, held=4),
+    ]
+    reference = [row("vit/batch_8", "first", 1.0), row("vit/batch_8", "second", 3.0)]
+    result = compare(tmp_path, current, reference)
+    assert result.returncode == 1
+    missed = [line for line in result.stdout.splitlines() if line.startswith("MISSED")]
+    assert missed == [
+        "MISSED vit/batch_8 100 batches, first run: 0.90 of the reference, below 0.97",
+        "MISSED vit/batch_8 100 batches, first run: first run 0.90x eager, below 0.95x",
+        "MISSED vit/batch_8 100 batches, second run: a later run captured 2 graphs",
+        f"MISSED {sides} 100 batches, third run: 3 graphs, not 4",
+        f"MISSED {sides} 100 batches, fourth run: 1.50x eager, below 1.8x",
+    ]
