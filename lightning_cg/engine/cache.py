@@ -64,8 +64,9 @@ class CapturedGraph:
     pieces: PiecewiseGraph | None = None
     #: A replay matched eager (``verify``, or the first replay of a compiled graph).
     verified: bool = False
-    #: A padded replay matched eager on its real rows: the tower's rows are independent.
-    rows_checked: bool = False
+    #: The kinds of padding (``tokens``, ``items``) of replays that matched eager on their
+    #: real rows: padding of those kinds leaves the real rows alone.
+    checked_padding: frozenset[str] = frozenset()
     #: How each replay rewrites the buffers (and its pinned staging, on CUDA).
     static_inputs: StaticInputs = field(init=False, repr=False, compare=False)
 

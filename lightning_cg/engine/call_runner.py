@@ -174,13 +174,13 @@ class CallRunner:
             self.stats.checked_replays += 1
             self.stats.checked_tokens += total
             # The same comparison checks the padding: rows that interact fail it.
-            graph.rows_checked = graph.rows_checked or _padded(graph, total, items)
-        padded_unchecked = not graph.rows_checked and _padded(graph, total, items)
+            graph.checked_padding |= padding(graph, total, items)
+        unchecked = padding(graph, total, items) - graph.checked_padding
         compiled_unchecked = self.on_compiled_mismatch is not None and not graph.verified
         served = rows
-        if compiled_unchecked or padded_unchecked:
+        if compiled_unchecked or unchecked:
             served = self._checked_against_eager(
-                call, route, path, sub_batch, rows, padded_unchecked
+                call, route, path, sub_batch, rows, padding(graph, total, items)
             )
         if served is rows:
             # Counted once served: a replay that raised or lost its check is no hit.
@@ -199,7 +199,7 @@ class CallRunner:
         path: str,
         sub_batch: SubBatch,
         rows: torch.Tensor,
-        padded: bool,
+        padded: frozenset[str],
     ) -> torch.Tensor:
         """A graph's first padded replay (and a compiled graph's first) against eager on the
         same rows; on a mismatch the eager rows serve.
@@ -216,7 +216,7 @@ class CallRunner:
             return rows  # cannot be judged on this batch: checked at the next replay
         if error <= verify_tolerance(eager.dtype):
             graph.verified = True
-            graph.rows_checked = graph.rows_checked or padded
+            graph.checked_padding |= padded
             return rows
         spec = graph.spec
         where = f"path {path!r}, budget {spec.token_budget}"
@@ -271,10 +271,19 @@ class CallRunner:
         return self.encoder.eager_forward(path, inputs)
 
 
-def _padded(graph: CapturedGraph, tokens: int, items: int) -> bool:
-    """Whether ``tokens`` real tokens of ``items`` items leave padding in ``graph``."""
+def padding(graph: CapturedGraph, tokens: int, items: int) -> frozenset[str]:
+    """What ``tokens`` real tokens of ``items`` items leave padded in ``graph``: ``tokens``
+    (padding rows) and ``items`` (empty item slots). A check covers only the kinds its
+    replay had: a full batch's rows say nothing of a short batch's padding rows."""
     spec = graph.spec
-    return tokens < spec.token_budget or items < spec.max_items
+    return frozenset(
+        kind
+        for kind, padded in (
+            ("tokens", tokens < spec.token_budget),
+            ("items", items < spec.max_items),
+        )
+        if padded
+    )
 
 
 class _Call:

@@ -80,6 +80,22 @@ def test_a_tower_of_independent_rows_is_checked_once_and_replays():
     assert (manager.stats.checked_replays, manager.stats.checked_tokens) == (1, 3)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_full_batch_does_not_vouch_for_a_short_batchs_padding_rows(verify):
+    # The usual last batch: short, so padded up to the budget full batches filled.
+    tower = RowsInteract("batch_mean")
+    adapter = BatchedEncoderAdapter(tower)
+    # The default ladder: a budget-4 graph has item slots to spare for a batch of 4.
+    manager = EncoderGraphManager(adapter, capture="first_use", verify=verify)
+    batches = [torch.randn(4, 6), torch.randn(4, 6), torch.randn(3, 6)]
+    with torch.no_grad(), pytest.warns(UserWarning, match="rows likely interact"):
+        outputs = [manager.execute(adapter.inputs_from_call((x,), {})) for x in batches]
+
+    for x, out in zip(batches, outputs, strict=True):
+        torch.testing.assert_close(out, eager(tower, x), rtol=1e-5, atol=1e-6)
+    assert (manager.stats.hits, manager.stats.eager_rows_interact) == (2, 1)
+
+
 class CountingAdapter(BatchedEncoderAdapter):
     """Counts the eager runs of the tower."""
 
