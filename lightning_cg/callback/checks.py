@@ -29,11 +29,13 @@ def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adap
     """Refuse (ValueError) a ``module`` that is no dotted path, bad ``stages``, a flag
     that is not a bool, or an ``adapter`` that is no adapter name, adapter or callable."""
     if module is not None and (
-        not isinstance(module, str) or not all(part.isidentifier() for part in module.split("."))
+        not isinstance(module, str)
+        # Digits index an nn.ModuleList or nn.Sequential, as in named_modules' paths.
+        or not all(part.isidentifier() or part.isdigit() for part in module.split("."))
     ):
         raise ValueError(
-            "module must be a dotted attribute path like 'model.visual', or None to find "
-            f"the vision tower; got {module!r}"
+            "module must be a dotted path like 'model.visual' or 'towers.0', or None to find "
+            f"the vision tower; got module={module!r}"
         )
     if isinstance(stages, str | bytes) or not isinstance(stages, Sequence) or not stages:
         raise ValueError(

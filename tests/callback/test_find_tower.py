@@ -277,3 +277,26 @@ def test_a_named_adapter_that_cannot_serve_the_tower_is_refused_before_any_batch
     with pytest.raises(TypeError, match="use adapter='hf'"):
         predict_with(callback, model)
     assert model.steps == 0
+
+
+class TwoTowersInAList(LightningModule):
+    """Towers in an nn.ModuleList: their paths end in an index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.towers = nn.ModuleList([resnet18(num_classes=4), resnet18(num_classes=4)]).eval()
+
+    def predict_step(self, batch, batch_idx):
+        return self.towers[1](batch)
+
+
+def test_a_tower_in_a_module_list_is_served_at_the_indexed_path_the_error_suggests():
+    model = TwoTowersInAList()
+    images = DataLoader(torch.randn(6, 3, 32, 32), batch_size=3)
+    with pytest.raises(ValueError, match="module='towers.0'"):
+        trainer(CUDAGraphCallback()).predict(model, images)
+    callback = CUDAGraphCallback(module="towers.1", capture="first_use")
+    graphed = torch.cat(trainer(callback).predict(model, images))
+    torch.testing.assert_close(graphed, torch.cat(trainer().predict(model, images)))
+    assert callback._tower is model.towers[1] and callback.last_stats["hits"] > 0
