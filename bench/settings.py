@@ -105,8 +105,7 @@ def _check(settings: BenchSettings) -> None:
     _check_names("methods", settings.methods, (*METHODS, GRAPH_METHOD))
     _check_names("skip_methods", settings.skip_methods, (*METHODS, GRAPH_METHOD))
     _check_names("stream.tower", [settings.stream["tower"]], (*BATCHED_TOWERS, *PACKED_TOWERS))
-    for mode in settings.modes:
-        GraphMode.parse(mode)
+    _check_names("modes", settings.modes, tuple(mode.value for mode in GraphMode))
     if settings.warmup < 0 or settings.repeats < 1:
         raise ValueError(
             f"need warmup >= 0 and repeats >= 1; got warmup={settings.warmup}, "

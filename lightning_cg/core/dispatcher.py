@@ -53,7 +53,7 @@ class GraphMode(enum.Enum):
             return cls(value)
         except ValueError:
             allowed = ", ".join(mode.value for mode in cls)
-            raise ValueError(f"unknown graph mode {value!r}; allowed: {allowed}") from None
+            raise ValueError(f"mode must be one of {allowed}; got mode={value!r}") from None
 
 
 _UNIFORM_MODE = {

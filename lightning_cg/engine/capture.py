@@ -249,7 +249,10 @@ class GraphCapturer:
         """Give ``paths`` a mode without PIECEWISE keys, or raise ``error``."""
         fallback = self.config.piecewise_fallback
         if fallback == "error":
-            raise error
+            raise PiecewiseUnsupported(
+                f"{error}. Or set piecewise_fallback='full' (capture such paths whole) or "
+                "'eager' (run them eagerly), or choose mode='full'"
+            ) from error
         mode = _FALLBACK_MODES[fallback][self.config.mode]
         _warn(
             f"{error}; paths {list(paths)} fall back to mode {mode.value!r} "

@@ -82,9 +82,7 @@ class BudgetConfig:
                 _check_positive_int(f"budgets[{index}]", budget)
             object.__setattr__(self, "budgets", tuple(self.budgets))
         _check_choice("ladder", self.ladder, LADDERS)
-        if not is_finite_number(self.ratio) or not self.ratio >= 1.0:
-            raise ValueError(f"ratio must be a finite number >= 1.0; got ratio={self.ratio!r}")
-        if self.ratio == 1.0:
+        if not is_finite_number(self.ratio) or not self.ratio > 1:
             raise ValueError(f"ratio must be a finite number > 1; got ratio={self.ratio!r}")
         _check_positive_int("align", self.align)
         if self.compiled_ratio is not None and not (
@@ -203,6 +201,19 @@ class GraphConfig:
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:
             self._check_compile_only_options()
+        if not self.mode.requires_piecewise():
+            self._check_piecewise_only_options()
+
+    def _check_piecewise_only_options(self) -> None:
+        """Refuse ``splitting_ops`` and ``piecewise_fallback`` set where no mode splits."""
+        for name in ("splitting_ops", "piecewise_fallback"):
+            value = getattr(self, name)
+            if value != _GRAPH_DEFAULTS[name]:
+                raise ValueError(
+                    f"{name}={value!r} is read only by the modes piecewise and "
+                    f"full_and_piecewise, and mode={self.mode.value!r}: drop it, or choose "
+                    "such a mode"
+                )
 
     def _check_compile_only_options(self) -> None:
         """Refuse ``compiled_ratio``, and ``align`` of a pow2 ladder: only compiling reads them."""
@@ -291,3 +302,6 @@ def _as_mapping(choice: Any, field_name: str = "budgets") -> dict[str, Any]:
             f"{field_name} must be a mapping of {', '.join(BUDGET_FIELDS)}; got {choice!r}"
         )
     return dict(choice)
+
+
+_GRAPH_DEFAULTS = {option.name: option.default for option in fields(GraphConfig)}

@@ -13,7 +13,7 @@ from bench.settings import resolve_settings
         ("workloads=[qwen2_vl]", "workloads"),
         ("scenarios=[mixed_9]", "scenarios"),
         ("methods=[eager,tensorrt]", "methods"),
-        ("modes=[fastest]", "graph mode"),
+        ("modes=[fastest]", "modes"),
         ("dtype=int8", "dtype"),
         ("stream.tower=stream", "stream.tower"),
         ("+manager.budgets.smallest=4", "manager.budgets"),
