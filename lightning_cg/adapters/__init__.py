@@ -67,6 +67,13 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
             "items packed along the rows: use adapter='packed', or adapter=None to choose by type"
         )
     if name == "packed":
+        by_type = adapter_name_by_type(tower)
+        if by_type not in (None, "packed"):
+            raise TypeError(
+                f"adapter='packed' serves towers called as tower(pixel_patches, grid_thw); "
+                f"{type(tower).__qualname__} takes its items as batch rows: use "
+                f"adapter={by_type!r}, or adapter=None to choose by type"
+            )
         from lightning_cg.adapters.qwen import QwenVisionAdapter, qwen_tower_kind
 
         if qwen_tower_kind(tower) is not None:

@@ -243,11 +243,16 @@ def test_batched_adapter_on_a_transformers_tower_is_refused_naming_the_hf_adapte
         adapter_for(tiny_tower("clip"), "batched")
 
 
-def test_packed_adapter_on_a_batch_first_tower_names_what_it_lacks():
+def test_packed_adapter_on_a_batch_first_tower_names_the_adapter_that_fits():
     with pytest.raises(
-        TypeError, match="CLIPVisionModel lacks host_metadata().*config.global_grid"
+        TypeError, match="CLIPVisionModel takes its items as batch rows: use adapter='hf'"
     ):
         adapter_for(tiny_tower("clip"), "packed")
+
+
+def test_packed_adapter_on_another_tower_names_what_it_lacks():
+    with pytest.raises(TypeError, match="Linear lacks host_metadata().*config.global_grid"):
+        adapter_for(nn.Linear(2, 2), "packed")
 
 
 def test_a_tower_no_adapter_fits_names_its_type_and_the_adapters():
