@@ -26,14 +26,11 @@ class GraphedTower:
     """What :func:`graphed` returns: each ``with`` routes the tower's forward through a new
     :class:`~lightning_cg.engine.manager.EncoderGraphManager` (``manager``)."""
 
-    def __init__(
-        self, tower: nn.Module, adapter: Any, config: GraphConfig | None, options: dict
-    ) -> None:
+    def __init__(self, tower: nn.Module, adapter: Any, config: GraphConfig) -> None:
         self.tower = tower
         self.manager: EncoderGraphManager | None = None
         self._adapter = adapter
         self._config = config
-        self._options = options
         #: Whether the tower had an instance-level forward on entering, and which.
         self._saved: tuple[bool, Any] | None = None
 
@@ -51,9 +48,7 @@ class GraphedTower:
                 "graphed(...) on the same tower; use the outer one"
             )
         # Built before the forward changes: a bad adapter or option leaves the tower as it was.
-        manager = EncoderGraphManager(
-            adapter_for(tower, self._adapter), self._config, **self._options
-        )
+        manager = EncoderGraphManager(adapter_for(tower, self._adapter), self._config)
         manager.begin_run()
 
         def graphed_forward(*args: Any, **kwargs: Any) -> Any:
@@ -94,9 +89,12 @@ def graphed(
         config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
         **options: GraphConfig fields instead of ``config`` (``mode``, ``budgets``, ...).
 
-    Raises TypeError for a ``tower`` that is no module; on entering, RuntimeError when it is
-    already inside ``graphed``, and what ``adapter_for`` and the manager raise.
+    Raises TypeError for a ``tower`` that is no module, ValueError for a bad option; on
+    entering, RuntimeError when it is already inside ``graphed``, and what ``adapter_for``
+    and the manager raise.
     """
     if not isinstance(tower, nn.Module):
         raise TypeError(f"graphed serves a torch.nn.Module's forward; got {type(tower).__name__}")
-    return GraphedTower(tower, adapter, config, options)
+    if config is not None and options:
+        raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
+    return GraphedTower(tower, adapter, config or GraphConfig.from_options(**options))

@@ -102,9 +102,16 @@ def test_a_nested_graphed_on_the_same_tower_is_refused():
     assert "forward" not in tower.__dict__
 
 
-def test_a_bad_option_leaves_the_forward_alone():
+def test_a_bad_option_is_refused_by_graphed_itself():
     tower = tiny_resnet()
-    with pytest.raises(ValueError, match="verfy"), graphed(tower, verfy=True):
+    with pytest.raises(ValueError, match="verfy"):
+        graphed(tower, verfy=True)
+    assert "forward" not in tower.__dict__
+
+
+def test_a_bad_adapter_leaves_the_forward_alone():
+    tower = tiny_resnet()
+    with pytest.raises(TypeError, match="use adapter='batched'"), graphed(tower, adapter="packed"):
         pass
     assert "forward" not in tower.__dict__
 
