@@ -77,16 +77,13 @@ class PathCosts:
 
     eager_calls: list[tuple[int, float]] = field(default_factory=list)
     token_counts: set[int] = field(default_factory=set)
-    line: tuple[float, float] | None = None
+    #: Seconds per token of the eager calls' least-squares line (None: not yet positive).
+    per_token: float | None = None
 
     def add_call(self, tokens: int, seconds: float) -> None:
         if len(self.eager_calls) < PATH_SAMPLES:
             self.eager_calls.append((tokens, seconds))
-            self.line = _fit_line(self.eager_calls)
-
-    def least_seconds_per_token(self) -> float | None:
-        rates = [seconds / tokens for tokens, seconds in self.eager_calls if tokens]
-        return min(rates) if rates else None
+            self.per_token = _slope(self.eager_calls)
 
 
 class CapturePolicy:
@@ -245,12 +242,11 @@ class CapturePolicy:
         if measured:
             return min(measured)[1] * record.padding_factor * record.eager
         costs = self._path(record.path)
-        line = None if self.graphs_fuse_work else costs.line
-        if line is not None:
-            estimate = line[1] * record.size
-        else:
+        if self.graphs_fuse_work or costs.per_token is None:
             estimate = PRIOR_GRAPH_RATIO * record.padding_factor * record.eager
-        least = costs.least_seconds_per_token()
+        else:
+            estimate = costs.per_token * record.size
+        least = min((s / t for t, s in costs.eager_calls if t), default=None)
         if self.graphs_fuse_work or len(costs.token_counts) < 2 or least is None:
             return estimate
         return max(estimate, least * record.size)
@@ -281,18 +277,13 @@ class CapturePolicy:
         return self._paths.setdefault(path, PathCosts())
 
 
-def _fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares ``(fixed, per_token)`` of ``(tokens, seconds)``; None with fewer
-    than two sizes or a non-positive slope."""
+def _slope(samples: list[tuple[int, float]]) -> float | None:
+    """Least-squares seconds per token of ``(tokens, seconds)``; None with fewer than two
+    sizes or a non-positive slope."""
     if len({tokens for tokens, _ in samples}) < 2:
         return None
     mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
     mean_seconds = statistics.fmean(seconds for _, seconds in samples)
     spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
-    per_token = (
-        sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in samples)
-        / spread
-    )
-    if per_token <= 0:
-        return None
-    return max(mean_seconds - per_token * mean_tokens, 0.0), per_token
+    covariance = sum((t - mean_tokens) * (s - mean_seconds) for t, s in samples)
+    return slope if (slope := covariance / spread) > 0 else None
