@@ -168,20 +168,17 @@ class CallRunner:
         else:
             rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total)
         host_seconds = time.perf_counter() - started
-        items = len(sub_batch.indices)
+        padded = padding(graph, total, len(sub_batch.indices))
         if self.config.verify and not graph.verified:
             check_replay(graph, path, rows, self._eager(call, path, sub_batch))
             self.stats.checked_replays += 1
             self.stats.checked_tokens += total
             # The same comparison checks the padding: rows that interact fail it.
-            graph.checked_padding |= padding(graph, total, items)
-        unchecked = padding(graph, total, items) - graph.checked_padding
+            graph.checked_padding |= padded
         compiled_unchecked = self.on_compiled_mismatch is not None and not graph.verified
         served = rows
-        if compiled_unchecked or unchecked:
-            served = self._checked_against_eager(
-                call, route, path, sub_batch, rows, padding(graph, total, items)
-            )
+        if compiled_unchecked or not padded <= graph.checked_padding:
+            served = self._checked_against_eager(call, route, path, sub_batch, rows, padded)
         if served is rows:
             # Counted once served: a replay that raised or lost its check is no hit.
             self.stats.hits += 1
@@ -201,8 +198,8 @@ class CallRunner:
         rows: torch.Tensor,
         padded: frozenset[str],
     ) -> torch.Tensor:
-        """A graph's first padded replay (and a compiled graph's first) against eager on the
-        same rows; on a mismatch the eager rows serve.
+        """A graph's first replay with a kind of ``padded`` not yet checked (and a compiled
+        graph's first) against eager on the same rows; on a mismatch the eager rows serve.
 
         A tower whose rows interact changes its real rows when padded: its key runs
         eagerly from then on. A compiled graph that differs drops compiling instead.

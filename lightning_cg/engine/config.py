@@ -232,6 +232,15 @@ class GraphConfig:
                     )
 
     @classmethod
+    def from_config_or_options(
+        cls, config: GraphConfig | None, options: Mapping[str, Any]
+    ) -> GraphConfig:
+        """``config``, else one built from ``options``; a ValueError for both."""
+        if config is not None and options:
+            raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
+        return config if config is not None else cls.from_options(**options)
+
+    @classmethod
     def from_options(
         cls,
         budgets: Mapping[str, Any] | BudgetConfig | None = None,

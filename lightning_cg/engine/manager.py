@@ -54,9 +54,7 @@ class EncoderGraphManager:
                 "encoder must implement lightning_cg.engine.encoder.GraphableEncoder; "
                 f"got {type(encoder)!r}"
             )
-        if config is not None and options:
-            raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
-        self.config = config if config is not None else GraphConfig.from_options(**options)
+        self.config = GraphConfig.from_config_or_options(config, options)
         if self.config.mode.requires_piecewise():
             check_ops_registered(self.config.splitting_ops)
         self.mode = self.config.mode

@@ -95,6 +95,4 @@ def graphed(
     """
     if not isinstance(tower, nn.Module):
         raise TypeError(f"graphed serves a torch.nn.Module's forward; got {type(tower).__name__}")
-    if config is not None and options:
-        raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
-    return GraphedTower(tower, adapter, config or GraphConfig.from_options(**options))
+    return GraphedTower(tower, adapter, GraphConfig.from_config_or_options(config, options))
