@@ -72,7 +72,7 @@ def measure(
             for _ in range(warmup):
                 _timed_pass(runner.step, batches, sync)
             if runner.manager is not None:
-                runner.manager.reset_stats()
+                runner.manager.stats.reset_run()
             passes = [_timed_pass(runner.step, batches, sync) for _ in range(repeats)]
         finally:
             if runner.close is not None:

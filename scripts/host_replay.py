@@ -109,7 +109,7 @@ def measure(
         for _ in range(passes):
             if DEVICE.type == "cuda":
                 torch.cuda.synchronize()
-            manager.reset_stats()
+            manager.stats.reset_run()
             if profiler is not None:
                 profiler.enable()
             run_pass(manager, calls_args, idle_gpu)

@@ -146,7 +146,7 @@ def main(config: DictConfig) -> None:
     runner = graph_method(tower, workload, settings, mode=settings.modes[0])
     # Warm-up passes capture; the reset keeps them out of the figures.
     profile_pass(runner.step, batches, settings.warmup, kernels=False)
-    runner.manager.reset_stats()
+    runner.manager.stats.reset_run()
     graphed = profile_pass(runner.step, batches, 0, kernels=False)
     stats = runner.manager.stats
     print(

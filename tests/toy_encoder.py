@@ -89,13 +89,11 @@ class ToyEncoder:
 
     def graph_config(self) -> EncoderGraphConfig:
         return EncoderGraphConfig(
-            modalities=("image",),
             paths={
                 "local": PathConfig(min_token_budget=8, per_item_metadata=self.per_item_metadata),
                 "global": PathConfig(min_token_budget=max(self.tower.global_tokens, 1)),
             },
             padding_rules={"cu_seqlens": "repeat_last"},
-            out_hidden_size=self.tower.out.out_features,
         )
 
     def token_budget_range(self, path: str) -> tuple[int, int]:

@@ -46,7 +46,6 @@ class BatchedEncoderAdapter:
     def graph_config(self) -> EncoderGraphConfig:
         """One path, ``image``; the output width is learnt when the tower runs; static shapes."""
         return EncoderGraphConfig(
-            modalities=("image",),
             paths={IMAGE_PATH: PathConfig(min_token_budget=1)},
             compile_shapes="static",
         )

@@ -173,17 +173,15 @@ class PackedLadders:
         )
 
     def _graph_config(
-        self, offsets: tuple[str, ...], out_hidden_size: int, paths: dict | None = None
+        self, offsets: tuple[str, ...], paths: dict | None = None
     ) -> EncoderGraphConfig:
         """Images and videos on ``local`` and ``paths``; ``offsets`` buffers repeat their last."""
         # Graphs per item count: empty cu_seqlens slots still cost flash-attention blocks.
         local = PathConfig(self.min_token_budget, per_item_metadata=True)
         return EncoderGraphConfig(
-            modalities=("image", "video"),
             paths={LOCAL_PATH: local, **(paths or {})},
             padding_rules=dict.fromkeys(offsets, "repeat_last"),
             max_frames_per_item=self.max_frames_per_item,
-            out_hidden_size=out_hidden_size,
         )
 
     def _read_call(
@@ -229,8 +227,7 @@ class PackedEncoderAdapter(PackedLadders):
     def graph_config(self) -> EncoderGraphConfig:
         """Paths ``local`` and ``global``; ``global`` may be empty when the view is off."""
         global_path = PathConfig(self._view_tokens)
-        out_hidden_size = self.tower.config.out_hidden_size
-        return self._graph_config(("cu_seqlens",), out_hidden_size, {GLOBAL_PATH: global_path})
+        return self._graph_config(("cu_seqlens",), {GLOBAL_PATH: global_path})
 
     def token_budget_range(self, path: str) -> tuple[int, int]:
         """``local``: ``(min_token_budget, max_token_budget)``; ``global``: one view up."""

@@ -119,7 +119,7 @@ class QwenVisionAdapter(PackedLadders):
 
     def graph_config(self) -> EncoderGraphConfig:
         """One path, ``local``, with graphs per item count (``cu_seqlens`` has a slot per frame)."""
-        return self._graph_config(("cu_seqlens", "cu_window_seqlens"), self._layout(()).width)
+        return self._graph_config(("cu_seqlens", "cu_window_seqlens"))
 
     def inputs_from_call(self, args: tuple, kwargs: dict) -> QwenInputs:
         """Check a ``visual(hidden_states, grid_thw, **options)`` call; read its grid."""

@@ -63,21 +63,21 @@ class CallRunner:
     def run_eagerly(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
         """Every path of the whole call eagerly, as one sub-batch (a call that needs
         gradients: graphs hold no autograd state); counted as ``eager_grad_enabled``."""
-        call = _Call(torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
+        call = CallOutputs(len(specs))
         sub_batch = self._sub_batch(inputs, list(range(len(specs))), specs)
         self._run_eagerly(call, sub_batch)
         self.stats.sub_batches += 1
         for path in self.path_names:
             if any(sub_batch.tokens(path)):
                 self.stats.count_eager("grad_enabled")
-        return call.outputs
+        return call
 
     def run(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
         """Route each sub-batch, replay its graphs, then run what is eager as one call."""
         self.policy.called()
         self.timer.collect()
         graph_set = GraphSet(self.encoder.graph_signature(inputs), autocast_key())
-        call = _Call(torch.is_inference_mode_enabled(), CallOutputs(len(specs)))
+        call = CallOutputs(len(specs))
         eager_items: list[int] = []
         eager_routes: list[Route] = []
         for planned in self.plans.plan.call_plan(graph_set, specs):
@@ -97,23 +97,23 @@ class CallRunner:
         if eager_items:
             eager_batch = self._sub_batch(inputs, sorted(eager_items), specs)
             self._run_eager_items(call, eager_batch, eager_routes)
-        return call.outputs
+        return call
 
     def _sub_batch(self, inputs: Any, indices: list[int], specs: list[ItemSpec]) -> SubBatch:
         return SubBatch(self.encoder, inputs, len(specs), indices, [specs[i] for i in indices])
 
-    def _run_eagerly(self, call: _Call, sub_batch: SubBatch) -> bool:
+    def _run_eagerly(self, call: CallOutputs, sub_batch: SubBatch) -> bool:
         """Run every path of one sub-batch eagerly; whether any rows are on CUDA."""
         on_cuda = False
         for path in self.path_names:
             tokens = sub_batch.tokens(path)
             if any(tokens):
-                rows = self._eager(call, path, sub_batch)
-                call.outputs.add(path, sub_batch.indices, rows, tokens)
+                rows = self._eager(path, sub_batch)
+                call.add(path, sub_batch.indices, rows, tokens)
                 on_cuda = on_cuda or rows.is_cuda
         return on_cuda
 
-    def _run_eager_items(self, call: _Call, sub_batch: SubBatch, routes: list[Route]) -> None:
+    def _run_eager_items(self, call: CallOutputs, sub_batch: SubBatch, routes: list[Route]) -> None:
         """Run every all-eager sub-batch's items in one eager call; keys the policy still
         needs eager times of share its time by tokens."""
         # One sample per key and call: sub-batches of one key share this call's time.
@@ -130,18 +130,20 @@ class CallRunner:
         with self.timer.timed(self._eager_recorder(timed, path_tokens, total)) as timing:
             timing.on_cuda = self._run_eagerly(call, sub_batch)
 
-    def _run_eager_path(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
+    def _run_eager_path(
+        self, call: CallOutputs, route: Route, path: str, sub_batch: SubBatch
+    ) -> None:
         """One path of a sub-batch whose other paths replay, eagerly; timed while its key's
         eager time is still learned (else a key first seen beside a graph never captures)."""
         key, tokens = route.key, route.tokens
         if key is None or not self.policy.wants_eager_timing(key):
-            rows = self._eager(call, path, sub_batch)
+            rows = self._eager(path, sub_batch)
         else:
             record = self._eager_recorder({key: tokens}, {path: tokens}, tokens)
             with self.timer.timed(record) as timing:
-                rows = self._eager(call, path, sub_batch)
+                rows = self._eager(path, sub_batch)
                 timing.on_cuda = rows.is_cuda
-        call.outputs.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
+        call.add(path, sub_batch.indices, rows, sub_batch.tokens(path))
 
     def _eager_recorder(
         self, key_tokens: dict[GraphKey, int], path_tokens: dict[str, int], total: int
@@ -158,7 +160,7 @@ class CallRunner:
 
         return record
 
-    def _run_graph(self, call: _Call, route: Route, path: str, sub_batch: SubBatch) -> None:
+    def _run_graph(self, call: CallOutputs, route: Route, path: str, sub_batch: SubBatch) -> None:
         key, graph, total = route.key, route.graph, route.tokens
         started = time.perf_counter()
         if self.policy.wants_graph_timing(key):
@@ -170,7 +172,7 @@ class CallRunner:
         host_seconds = time.perf_counter() - started
         padded = padding(graph, total, len(sub_batch.indices))
         if self.config.verify and not graph.verified:
-            check_replay(graph, path, rows, self._eager(call, path, sub_batch))
+            check_replay(graph, path, rows, self._eager(path, sub_batch))
             self.stats.checked_replays += 1
             self.stats.checked_tokens += total
             # The same comparison checks the padding: rows that interact fail it.
@@ -178,7 +180,7 @@ class CallRunner:
         compiled_unchecked = self.on_compiled_mismatch is not None and not graph.verified
         served = rows
         if compiled_unchecked or not padded <= graph.checked_padding:
-            served = self._checked_against_eager(call, route, path, sub_batch, rows, padded)
+            served = self._checked_against_eager(route, path, sub_batch, rows, padded)
         if served is rows:
             # Counted once served: a replay that raised or lost its check is no hit.
             self.stats.hits += 1
@@ -187,11 +189,10 @@ class CallRunner:
             self.stats.padded_tokens += key.descriptor.num_tokens - total
             self.stats.host_seconds += host_seconds
             self.stats.launch_seconds += launch_seconds
-        call.outputs.add(path, sub_batch.indices, served, sub_batch.tokens(path))
+        call.add(path, sub_batch.indices, served, sub_batch.tokens(path))
 
     def _checked_against_eager(
         self,
-        call: _Call,
         route: Route,
         path: str,
         sub_batch: SubBatch,
@@ -205,7 +206,7 @@ class CallRunner:
         eagerly from then on. A compiled graph that differs drops compiling instead.
         """
         graph = route.graph
-        eager = self._eager(call, path, sub_batch)
+        eager = self._eager(path, sub_batch)
         self.stats.checked_replays += 1
         self.stats.checked_tokens += route.tokens
         error = replay_error(rows, eager)
@@ -238,8 +239,8 @@ class CallRunner:
             )
         return eager
 
-    def _eager(self, call: _Call, path: str, sub_batch: SubBatch) -> torch.Tensor:
-        rows = self._eager_forward(path, sub_batch.inputs, call.inference_mode)
+    def _eager(self, path: str, sub_batch: SubBatch) -> torch.Tensor:
+        rows = self.encoder.eager_forward(path, sub_batch.inputs)
         expected = sum(sub_batch.tokens(path))
         if rows.dim() == 0 or rows.shape[0] != expected:
             items = len(sub_batch.indices)
@@ -257,16 +258,6 @@ class CallRunner:
             "implement GraphableEncoder.item_specs to state its rows."
         )
 
-    def _eager_forward(self, path: str, inputs: Any, inference_mode: bool) -> torch.Tensor:
-        """The path eagerly, in inference mode if asked and without grad (it launches
-        faster than no_grad), else in the caller's mode."""
-        # Never inference_mode(False): it turns grad mode on, so a no_grad caller would
-        # build autograd graphs. Entering it when it is on costs host time for nothing.
-        if inference_mode and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            with torch.inference_mode():
-                return self.encoder.eager_forward(path, inputs)
-        return self.encoder.eager_forward(path, inputs)
-
 
 def padding(graph: CapturedGraph, tokens: int, items: int) -> frozenset[str]:
     """What ``tokens`` real tokens of ``items`` items leave padded in ``graph``: ``tokens``
@@ -281,13 +272,3 @@ def padding(graph: CapturedGraph, tokens: int, items: int) -> frozenset[str]:
         )
         if padded
     )
-
-
-class _Call:
-    """What one call carries through its sub-batches: the caller's inference mode, the rows."""
-
-    __slots__ = ("inference_mode", "outputs")
-
-    def __init__(self, inference_mode: bool, outputs: CallOutputs) -> None:
-        self.inference_mode = inference_mode
-        self.outputs = outputs

@@ -52,13 +52,11 @@ class CallTimer:
         end.record()
         self._pending.append((start, end, host_seconds, record))
 
-    def collect(self, wait: bool = False) -> None:
-        """Hand over the durations of completed runs (of all, waiting for them, if ``wait``)."""
+    def collect(self) -> None:
+        """Hand over the durations of completed runs."""
         while self._pending:
             start, end, host_seconds, record = self._pending[0]
-            if wait:
-                end.synchronize()
-            elif not end.query():
+            if not end.query():
                 return
             self._pending.popleft()
             record(max(start.elapsed_time(end) / 1000.0, host_seconds))

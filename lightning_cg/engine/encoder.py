@@ -63,11 +63,9 @@ class EncoderGraphConfig:
             kernels) and recompiles symbolically at a second (batch-first towers).
     """
 
-    modalities: tuple[str, ...]
     paths: Mapping[str, PathConfig]
     padding_rules: Mapping[str, str] = field(default_factory=dict)
     max_frames_per_item: int = 1
-    out_hidden_size: int = 0
     compile_shapes: str = "dynamic"
 
     def __post_init__(self) -> None:

@@ -120,10 +120,6 @@ class EncoderGraphManager:
         if self.weight_casts is not None:
             self.weight_casts.refresh()
 
-    def reset_stats(self) -> None:
-        """Zero the run counters; graph count, pool size and capture totals stay."""
-        self.stats.reset_run()
-
     def is_captured(self) -> bool:
         """Whether any graph has been captured (or, without CUDA, prepared)."""
         return len(self.cache) > 0

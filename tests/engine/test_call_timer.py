@@ -91,5 +91,6 @@ def test_kernels_queued_behind_earlier_work_cost_their_launch_time():
             big[0, 0].add_(1.0)
             time.sleep(0.01)
         timing.on_cuda = True
-    timer.collect(wait=True)
+    torch.cuda.synchronize()
+    timer.collect()
     assert recorded[0] >= 0.03

@@ -408,7 +408,7 @@ def test_host_time_per_replay_is_counted():
     # The launch is part of the replay's host time (on the CPU: the graph forward).
     assert 0 < stats.launch_seconds < stats.host_seconds
     assert stats.as_dict()["launch_us_per_replay"] == pytest.approx(1e6 * stats.launch_seconds / 3)
-    manager.reset_stats()
+    manager.stats.reset_run()
     assert manager.stats.host_us_per_replay == manager.stats.launch_us_per_replay == 0.0
 
 
