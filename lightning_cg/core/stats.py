@@ -39,6 +39,10 @@ class GraphStats:
     eager_no_graph_yet: int = 0  # not captured yet: its replays have not yet repaid a capture
     eager_policy: int = 0  # the capture policy expects no gain from a graph of the key
     eager_above_budget: int = 0  # more tokens than the largest budget
+    # The mode or ladder holds no graph of the sub-batch's shape: a mixed batch under
+    # full_uniform_only, a uniform item count that is not a power of two there, more
+    # frames than a graph holds.
+    eager_no_graph_for_shape: int = 0
     eager_measured_slower: int = 0  # the key's graph was measured slower than eager
     eager_rows_interact: int = 0  # the key's padded graph differed from eager: rows interact
     eager_compiled_mismatch: int = 0  # a compiled graph differed from eager: compiling ended

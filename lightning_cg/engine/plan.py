@@ -95,7 +95,7 @@ class PathPlan:
 @dataclass(frozen=True)
 class PathRoute:
     """One path of one sub-batch in a call plan: the key that serves it, or why none
-    (``misses``: graphs off or the path eager; ``above_budget``)."""
+    (``misses``: graphs off or the path eager; else :meth:`Plan.no_key_reason`)."""
 
     path: str
     total: int
@@ -157,8 +157,15 @@ class Plan:
         key = self.key(graph_set, path, tokens, frames)
         if key is not None:
             return PathRoute(path, total, key)
-        eager = self.mode is GraphMode.NONE or self.paths[path].eager_reason is not None
-        return PathRoute(path, total, None, "misses" if eager else "above_budget")
+        return PathRoute(path, total, None, self.no_key_reason(path, total) or "misses")
+
+    def no_key_reason(self, path: str, total: int) -> str:
+        """Why a sub-batch of ``total`` tokens on ``path`` has no key: "" when graphs are
+        off or the path is eager (a plain miss), ``above_budget``, else the mode or the
+        ladder holds no graph of its shape (``no_graph_for_shape``)."""
+        if self.mode is GraphMode.NONE or self.paths[path].eager_reason is not None:
+            return ""
+        return "above_budget" if total > self.paths[path].budgets[-1] else "no_graph_for_shape"
 
     def key(
         self, graph_set: GraphSet, path: str, tokens: Sequence[int], frames: int

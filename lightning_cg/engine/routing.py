@@ -136,19 +136,16 @@ class Router:
         frames = sum(spec.num_frames for spec in sub_batch.specs)
         rekey = self.plans.plan.key(key.graph_set, key.path, tokens, frames)
         if rekey is None:
-            return None, None, self._no_key_reason(key.path)
+            return None, None, self.plans.plan.no_key_reason(key.path, sum(tokens))
         if rekey != key:
             # The key the new plan gives serves from now on: its sightings and times count.
             self.policy.sighted(rekey, rekey.path, rekey.descriptor.num_tokens, sum(tokens))
             if rekey not in self.cache:
                 self._capture_key(rekey)
         graph = self.cache.get(rekey)
-        return rekey, graph, "" if graph is not None else self._no_key_reason(key.path)
-
-    def _no_key_reason(self, path: str) -> str:
-        """Why a replanned sub-batch has no graph: its path turned eager ("", a plain
-        miss as in the plan), else its tokens are above the budgets left."""
-        return "" if self.plans.plan.paths[path].eager_reason is not None else "above_budget"
+        if graph is None:
+            return rekey, None, self.plans.plan.no_key_reason(key.path, sum(tokens))
+        return rekey, graph, ""
 
     def _capture_key(self, key: GraphKey) -> None:
         if self.config.capture == "upfront":

@@ -226,7 +226,11 @@ def test_uniform_only_mode_serves_uniform_batches_only():
         run(manager, *make_batch(rng, [8, 8]))
         assert (manager.stats.hits, manager.stats.misses) == (1, 0)
         run(manager, *make_batch(rng, [8, 3]))
-    assert (manager.stats.hits, manager.stats.misses) == (1, 1)
+        run(manager, *make_batch(rng, [5, 5, 5]))  # uniform, but 3 items: no uniform graph
+    stats = manager.stats
+    assert (stats.hits, stats.misses) == (1, 2)
+    # Both fit the budgets: counted as the mode's, not as above the budgets.
+    assert (stats.eager_no_graph_for_shape, stats.eager_above_budget) == (2, 0)
 
 
 def test_output_never_aliases_graph_buffers():
