@@ -81,6 +81,11 @@ def graph_config(config: Any, options: Mapping[str, Any]) -> GraphConfig:
         raise ValueError(
             f"config holds every graph option; pass {sorted(options)} inside it, not beside it"
         )
+    if config.capture_errors == "raise":
+        raise ValueError(
+            "config.capture_errors='raise' is not a callback option: a capture that fails "
+            "mid-run always turns the rank eager; leave it None"
+        )
     return dataclasses.replace(config, capture_errors="eager")
 
 

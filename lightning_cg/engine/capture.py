@@ -165,7 +165,7 @@ class GraphCapturer:
                 ):
                     raise  # piecewise_fallback decides
                 if fault is None:
-                    if self.config.capture_errors == "raise":
+                    if self.config.capture_errors != "eager":
                         raise
                     fault = capture_failed(error)
                 self.cache.remove(captured)

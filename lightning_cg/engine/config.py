@@ -158,7 +158,8 @@ class GraphConfig:
         verify: compare every graph's first replay with eager; raise on a mismatch.
         piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
         compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
-        capture_errors: ``raise`` an error without a known fallback, or turn every path ``eager``.
+        capture_errors: ``raise`` an error without a known fallback, or turn every path
+            ``eager``; None: ``raise``, but ``eager`` in the callback, whose ranks must agree.
         capture: ``paid_back`` once a key's capture should pay for itself, ``first_use`` when
             a batch first needs it, ``upfront`` a path's whole ladder at its first call.
         cast_weights_per_run: under autocast, FULL graphs read low-precision weight copies
@@ -175,7 +176,7 @@ class GraphConfig:
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     piecewise_fallback: str = "error"
     compile: bool = False
-    capture_errors: str = "raise"
+    capture_errors: str | None = None
     capture: str = "paid_back"
     cast_weights_per_run: bool = True
 
@@ -197,7 +198,8 @@ class GraphConfig:
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)
         check_compile(self.compile, self.mode)
-        _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
+        if self.capture_errors is not None:
+            _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:
             self._check_compile_only_options()

@@ -98,6 +98,9 @@ def test_a_config_carries_every_graph_option_and_excludes_the_keywords():
         CUDAGraphCallback(config={"mode": "none"})
     with pytest.raises(ValueError, match="capture_errors is not a callback option"):
         CUDAGraphCallback(capture_errors="raise")
+    # Not dropped silently when it comes inside a config either.
+    with pytest.raises(ValueError, match="config.capture_errors='raise' is not a callback option"):
+        CUDAGraphCallback(config=GraphConfig(capture_errors="raise"))
 
 
 def test_an_unknown_option_names_the_allowed_ones():

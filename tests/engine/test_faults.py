@@ -276,10 +276,11 @@ def test_an_uncapturable_tower_runs_eagerly_with_the_cause_and_the_fix():
     assert not manager.is_captured() and manager.stats.hits == 0
 
 
-def test_an_unknown_capture_error_is_raised():
+@pytest.mark.parametrize("options", [{}, {"capture_errors": "raise"}])
+def test_an_unknown_capture_error_is_raised(options):
     tower = ToyTower().eval()
     encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError("capture exploded"))
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use", **options)
     with torch.no_grad(), pytest.raises(RuntimeError, match="capture exploded"):
         run(manager, *make_batch(random.Random(0), [5]))
 
