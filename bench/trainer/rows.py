@@ -3,10 +3,10 @@
 A row holds every method's figures for one workload, run length and run:
 ``{"workload", "batches", "run", "eager_tower_s", "callback_tower_s",
 "vs_eager", "graphs_captured", "capture_s"}`` and extra fields (see
-:data:`EXTRA_KEYS`; fit rows :data:`FIT_KEYS` too, multiscale rows
-:data:`MULTISCALE_KEYS`). Ratios are speed-ups of the callback: ``vs_eager`` is
-eager tower seconds over the callback's, ``vs_compile`` compiled over the
-callback's; above 1 the callback is faster.
+:data:`EXTRA_KEYS`; fit rows :data:`FIT_KEYS` too, multiscale rows ``sides``:
+the image sides their batches cycle through, in order). Ratios are speed-ups of
+the callback: ``vs_eager`` is eager tower seconds over the callback's,
+``vs_compile`` compiled over the callback's; above 1 the callback is faster.
 """
 
 from __future__ import annotations
@@ -68,8 +68,6 @@ FIT_KEYS = (
     "eager_fit_wall_s",
     "callback_fit_wall_s",
 )
-#: Extra fields of multiscale rows.
-MULTISCALE_KEYS = ("sides",)  # the image sides that the batches cycle through, in order
 _ROW_ID = ("workload", "batches", "run", "trainer")
 _RUNS = {
     "first": ("first", "reused"),

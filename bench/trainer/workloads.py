@@ -62,8 +62,6 @@ HF_WORKLOADS = (
     f"{QWEN_TOWER}/mixed_batch_1",
     f"{QWEN_TOWER}/mixed_batch_8",
 )
-FIT_PREFIX = "fit/"
-MULTISCALE_PREFIX = "multiscale/"
 NUM_CLASSES = 10
 _NAME = re.compile(
     r"(?:(?P<fit>fit/)|(?P<multiscale>multiscale/))?"
