@@ -157,7 +157,7 @@ class GraphConfig:
             ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
         verify: compare every graph's first replay with eager; raise on a mismatch.
         piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
-        compile: capture a ``torch.compile``'d graph forward (not with PIECEWISE modes).
+        compile: capture a ``torch.compile``'d graph forward (``full``, ``full_uniform_only``).
         capture_errors: ``raise`` an error without a known fallback, or turn every path
             ``eager``; None: ``raise``, but ``eager`` in the callback, whose ranks must agree.
         capture: ``paid_back`` once a key's capture should pay for itself, ``first_use`` when
