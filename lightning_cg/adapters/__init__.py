@@ -90,6 +90,27 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
     return BatchedEncoderAdapter(tower)
 
 
+#: Set on the forwards lightning-cg installs on a tower, to tell them from other wrappers.
+GRAPHED_FORWARD = "_lightning_cg_graphed"
+
+
+def foreign_forward(tower: nn.Module) -> Any:
+    """A forward another library set on ``tower``'s instance (accelerate's hooks, a user's
+    wrapper), or None. Adapters run the class's forward, which would bypass it."""
+    forward = tower.__dict__.get("forward")
+    return None if forward is None or getattr(forward, GRAPHED_FORWARD, False) else forward
+
+
+def foreign_forward_message(tower: nn.Module, where: str) -> str:
+    """Why a tower with a :func:`foreign_forward` is not served through graphs."""
+    return (
+        f"{where}: {type(tower).__name__}'s forward is set on the instance (a wrapper such "
+        "as accelerate's hooks); graphs replay the class's forward and would bypass it, "
+        "changing what the tower returns. Remove the wrapper (or serve the module it "
+        "wraps) to run the tower through graphs"
+    )
+
+
 def adapter_name_by_type(tower: nn.Module) -> str | None:
     """The adapter name ``adapter_for(tower)`` picks by type; None when none fits."""
     from lightning_cg.adapters.qwen import qwen_tower_kind

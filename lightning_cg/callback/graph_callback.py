@@ -13,7 +13,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters import (
+    GRAPHED_FORWARD,
+    adapter_for,
+    foreign_forward,
+    foreign_forward_message,
+)
 from lightning_cg.callback.checks import (
     STAGES,
     AdapterFactory,
@@ -107,7 +112,8 @@ class CUDAGraphCallback(Callback):
         self._binding: TensorBinding | None = None
         #: The tower's tensor layouts when keep_graphs=False last cleared its graphs.
         self._cleared_layouts: dict[str, tuple] | None = None
-        self._swapped: tuple[bool, Any] | None = None
+        #: Whether the tower's forward is the graphed one (a run is under way).
+        self._swapped = False
         self._told_cpu = False
         #: The manager serving the current run: ``manager``, or the eager one.
         self._run_manager: EncoderGraphManager | None = None
@@ -134,6 +140,11 @@ class CUDAGraphCallback(Callback):
                 f"CUDAGraphCallback: {self.module!r} is compiled with torch.compile; "
                 "leaving it alone (use mode='reduce-overhead' or drop torch.compile)."
             )
+            self._tower = self.manager = self._binding = None
+            return
+        if foreign_forward(tower) is not None:
+            where = f"CUDAGraphCallback ({self.module!r})"
+            rank_zero_warn(foreign_forward_message(tower, where) + "; leaving it alone.")
             self._tower = self.manager = self._binding = None
             return
         check_adapter_serves(self.adapter, tower, self.module)
@@ -210,7 +221,7 @@ class CUDAGraphCallback(Callback):
         execute = self._executor(trainer, stage)
         # A collective: every rank takes part before any of them may return.
         graphs_usable = self._agree_graphs_usable(trainer)
-        if self.manager is None or self._tower is None or self._swapped is not None:
+        if self.manager is None or self._tower is None or self._swapped:
             return
         self._bind_tensors()
         if not self._told_cpu and not next(self._tower.parameters(), torch.empty(0)).is_cuda:
@@ -223,8 +234,9 @@ class CUDAGraphCallback(Callback):
         def graphed_forward(*args: Any, **kwargs: Any) -> Any:
             return execute(manager, manager.encoder.inputs_from_call(args, kwargs))
 
-        # An instance-level forward (another wrapper) is put back as it was.
-        self._swapped = ("forward" in tower.__dict__, tower.__dict__.get("forward"))
+        setattr(graphed_forward, GRAPHED_FORWARD, True)
+
+        self._swapped = True
         tower.forward = graphed_forward
 
     def _agree_graphs_usable(self, trainer: pl.Trainer) -> bool:
@@ -264,14 +276,10 @@ class CUDAGraphCallback(Callback):
 
     def restore(self) -> None:
         """Put the tower's original forward back (safe to call at any time)."""
-        if self._swapped is None or self._tower is None:
+        if not self._swapped or self._tower is None:
             return
-        had_forward, forward = self._swapped
-        if had_forward:
-            self._tower.forward = forward
-        else:
-            del self._tower.forward
-        self._swapped = None
+        del self._tower.forward  # the class's forward again: a tower with its own is left alone
+        self._swapped = False
 
     def _bind_tensors(self) -> None:
         """Keep the graphs reading the tower's current values (see ``engine.binding``)."""
@@ -288,7 +296,7 @@ class CUDAGraphCallback(Callback):
             self._binding = TensorBinding(self._tower)
 
     def _finish_run(self, trainer: pl.Trainer, stage: str) -> None:
-        if self._swapped is None:
+        if not self._swapped:
             return
         self.restore()
         self._capture_failed |= self._run_manager.capture_error is not None

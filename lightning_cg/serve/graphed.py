@@ -14,12 +14,16 @@ from typing import Any
 
 from torch import nn
 
-from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters import (
+    GRAPHED_FORWARD,
+    adapter_for,
+    foreign_forward,
+    foreign_forward_message,
+)
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.manager import EncoderGraphManager
 
 #: Set on the forward that ``graphed`` puts on a tower, to recognise it there.
-_MARK = "_lightning_cg_graphed"
 
 
 class GraphedTower:
@@ -31,8 +35,8 @@ class GraphedTower:
         self.manager: EncoderGraphManager | None = None
         self._adapter = adapter
         self._config = config
-        #: Whether the tower had an instance-level forward on entering, and which.
-        self._saved: tuple[bool, Any] | None = None
+        #: Whether the tower's forward is the graphed one (inside the ``with``).
+        self._swapped = False
 
     @property
     def stats(self) -> dict[str, float]:
@@ -41,12 +45,14 @@ class GraphedTower:
 
     def __enter__(self) -> GraphedTower:
         tower = self.tower
-        if getattr(tower.__dict__.get("forward"), _MARK, False):
+        if getattr(tower.__dict__.get("forward"), GRAPHED_FORWARD, False):
             # The inner exit would put back the outer's patch, not the tower's forward.
             raise RuntimeError(
                 f"{type(tower).__name__} is already inside graphed(...): nest no second "
                 "graphed(...) on the same tower; use the outer one"
             )
+        if foreign_forward(tower) is not None:
+            raise RuntimeError(foreign_forward_message(tower, "graphed"))
         # Built before the forward changes: a bad adapter or option leaves the tower as it was.
         manager = EncoderGraphManager(adapter_for(tower, self._adapter), self._config)
         manager.begin_run()
@@ -55,20 +61,17 @@ class GraphedTower:
             # Grad-enabled calls run eagerly inside execute: graphs hold no autograd state.
             return manager.execute(manager.encoder.inputs_from_call(args, kwargs))
 
-        setattr(graphed_forward, _MARK, True)
-        # An instance-level forward (another wrapper) is put back as it was.
-        self._saved = ("forward" in tower.__dict__, tower.__dict__.get("forward"))
+        setattr(graphed_forward, GRAPHED_FORWARD, True)
+        self._swapped = True
         self.manager = manager
         tower.forward = graphed_forward
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         # Runs for every exception, KeyboardInterrupt included; swallows none.
-        saved, self._saved = self._saved, None
-        if saved is not None:
-            del self.tower.forward
-            if saved[0]:
-                self.tower.forward = saved[1]
+        if self._swapped:
+            del self.tower.forward  # the class's forward: a tower with its own is refused
+            self._swapped = False
 
 
 def graphed(
@@ -90,8 +93,8 @@ def graphed(
         **options: GraphConfig fields instead of ``config`` (``mode``, ``budgets``, ...).
 
     Raises TypeError for a ``tower`` that is no module, ValueError for a bad option; on
-    entering, RuntimeError when it is already inside ``graphed``, and what ``adapter_for``
-    and the manager raise.
+    entering, RuntimeError when it is already inside ``graphed`` or its forward is set on
+    the instance by another wrapper, and what ``adapter_for`` and the manager raise.
     """
     if not isinstance(tower, nn.Module):
         raise TypeError(f"graphed serves a torch.nn.Module's forward; got {type(tower).__name__}")
