@@ -250,8 +250,8 @@ class GraphCapturer:
         fallback = self.config.piecewise_fallback
         if fallback == "error":
             raise PiecewiseUnsupported(
-                f"{error}. Or set piecewise_fallback='full' (capture such paths whole) or "
-                "'eager' (run them eagerly), or choose mode='full'"
+                f"{str(error).rstrip('.')}. Or set piecewise_fallback='full' (capture such "
+                "paths whole) or 'eager' (run them eagerly), or choose mode='full'"
             ) from error
         mode = _FALLBACK_MODES[fallback][self.config.mode]
         _warn(

@@ -237,7 +237,10 @@ class GraphConfig:
     def from_config_or_options(
         cls, config: GraphConfig | None, options: Mapping[str, Any]
     ) -> GraphConfig:
-        """``config``, else one built from ``options``; a ValueError for both."""
+        """``config``, else one built from ``options``; a ValueError for both, or for a
+        ``config`` that is no GraphConfig."""
+        if config is not None and not isinstance(config, GraphConfig):
+            raise ValueError(f"config must be a GraphConfig or None; got config={config!r}")
         if config is not None and options:
             raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
         return config if config is not None else cls.from_options(**options)

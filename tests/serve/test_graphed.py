@@ -102,6 +102,8 @@ def test_a_bad_option_is_refused_by_graphed_itself():
     tower = tiny_resnet()
     with pytest.raises(ValueError, match="verfy"):
         graphed(tower, verfy=True)
+    with pytest.raises(ValueError, match=r"config must be a GraphConfig or None; got config=\{"):
+        graphed(tower, config={"mode": "full"})
     assert "forward" not in tower.__dict__
 
 
