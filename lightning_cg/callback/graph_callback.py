@@ -235,7 +235,6 @@ class CUDAGraphCallback(Callback):
             return execute(manager, manager.encoder.inputs_from_call(args, kwargs))
 
         setattr(graphed_forward, GRAPHED_FORWARD, True)
-
         self._swapped = True
         tower.forward = graphed_forward
 

@@ -23,8 +23,6 @@ from lightning_cg.adapters import (
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.manager import EncoderGraphManager
 
-#: Set on the forward that ``graphed`` puts on a tower, to recognise it there.
-
 
 class GraphedTower:
     """What :func:`graphed` returns: each ``with`` routes the tower's forward through a new
