@@ -13,10 +13,8 @@ replayed from one CUDA graph, bf16, 12 heads of 64 (packed_vit_small).
 import sys
 from pathlib import Path
 
-try:
-    import lightning_cg  # noqa: F401
-except ImportError:  # a checkout that is not pip-installed: import it from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# bench/ is never installed, and scripts/bench.py would shadow it: the repo root comes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.nn.attention.varlen import varlen_attn

@@ -13,10 +13,8 @@ a row is the best of 5 timings of 50 replays.
 import sys
 from pathlib import Path
 
-try:
-    import lightning_cg  # noqa: F401
-except ImportError:  # a checkout that is not pip-installed: import it from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# bench/ is never installed, and scripts/bench.py would shadow it: the repo root comes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import time
 
