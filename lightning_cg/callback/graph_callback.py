@@ -115,6 +115,7 @@ class CUDAGraphCallback(Callback):
         #: Whether the tower's forward is the graphed one (a run is under way).
         self._swapped = False
         self._told_cpu = False
+        self._capture_progress = CaptureProgress()
         #: The manager serving the current run: ``manager``, or the eager one.
         self._run_manager: EncoderGraphManager | None = None
         self._eager: EncoderGraphManager | None = None
@@ -133,6 +134,8 @@ class CUDAGraphCallback(Callback):
             self.module, tower = find_tower(pl_module)
         else:
             tower = resolve_module(pl_module, self.module)
+        # The Trainer's enable_progress_bar=False silences the capture's bar too.
+        self._capture_progress.enabled = trainer.progress_bar_callback is not None
         others = [callback for callback in trainer.callbacks if isinstance(callback, type(self))]
         check_one_callback_per_tower(self, others, pl_module, tower)
         if is_compiled(tower):
@@ -159,7 +162,7 @@ class CUDAGraphCallback(Callback):
         self, tower: nn.Module, mode: GraphMode | None = None
     ) -> EncoderGraphManager:
         config = self.config if mode is None else dataclasses.replace(self.config, mode=mode)
-        return EncoderGraphManager(adapter_for(tower, self.adapter), config, CaptureProgress())
+        return EncoderGraphManager(adapter_for(tower, self.adapter), config, self._capture_progress)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -9,14 +9,18 @@ from lightning_cg.engine.encoder import CaptureSpec
 
 
 class CaptureProgress:
-    """A capture's progress bar for the manager, from its first graph to its last."""
+    """A capture's progress bar for the manager, from its first graph to its last; shown
+    only while ``enabled`` (the Trainer's own progress bar is on)."""
 
     def __init__(self) -> None:
+        self.enabled = True
         self._progress: Progress | None = None
         self._task: int | None = None
 
     @rank_zero_only
     def __call__(self, done: int, total: int, spec: CaptureSpec) -> None:
+        if not self.enabled:
+            return
         if self._progress is None:
             self._progress = Progress(
                 TextColumn("capturing CUDA graphs"),
