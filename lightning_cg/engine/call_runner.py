@@ -27,6 +27,7 @@ from lightning_cg.engine.replay import (
     check_replay,
     replay,
     replay_error,
+    row_count_message,
     verify_tolerance,
 )
 from lightning_cg.engine.routing import Route, Router, SubBatch
@@ -162,15 +163,16 @@ class CallRunner:
 
     def _run_graph(self, call: CallOutputs, route: Route, path: str, sub_batch: SubBatch) -> None:
         key, graph, total = route.key, route.graph, route.tokens
+        items = len(sub_batch.indices)
         started = time.perf_counter()
         if self.policy.wants_graph_timing(key):
             with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
-                rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total)
+                rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total, items)
                 t.on_cuda = rows.is_cuda
         else:
-            rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total)
+            rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total, items)
         host_seconds = time.perf_counter() - started
-        padded = padding(graph, total, len(sub_batch.indices))
+        padded = padding(graph, total, items)
         if self.config.verify and not graph.verified:
             check_replay(graph, path, rows, self._eager(path, sub_batch))
             self.stats.checked_replays += 1
@@ -244,19 +246,8 @@ class CallRunner:
         expected = sum(sub_batch.tokens(path))
         if rows.dim() == 0 or rows.shape[0] != expected:
             items = len(sub_batch.indices)
-            raise RuntimeError(self._row_count_message(path, rows, expected, items))
+            raise RuntimeError(row_count_message(self.encoder, path, rows, expected, items))
         return rows
-
-    def _row_count_message(self, path: str, rows: torch.Tensor, expected: int, items: int) -> str:
-        got = "a 0-dim tensor" if rows.dim() == 0 else f"{rows.shape[0]} rows {list(rows.shape)}"
-        return (
-            f"the tower behind {type(self.encoder).__name__} returned {got} on path {path!r} "
-            f"for {items} items whose item_specs promise {expected} rows. Graph replay "
-            "splits outputs by their first dimension: a tower must return its items' rows "
-            "along dim 0 (one row per batch row for a batch-first tower), as many as its "
-            "inputs' shapes alone determine. Run this tower without the callback, or "
-            "implement GraphableEncoder.item_specs to state its rows."
-        )
 
 
 def padding(graph: CapturedGraph, tokens: int, items: int) -> frozenset[str]:

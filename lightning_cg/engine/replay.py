@@ -23,10 +23,10 @@ TF32_TOLERANCE = 5e-3
 
 
 def replay(
-    graph: CapturedGraph, encoder: GraphableEncoder, inputs: Any, total: int
+    graph: CapturedGraph, encoder: GraphableEncoder, inputs: Any, total: int, items: int
 ) -> tuple[torch.Tensor, float]:
-    """Copy ``inputs`` into the graph's buffers, replay, and clone the ``total`` real
-    rows, contiguous; returns them and the launch's host seconds."""
+    """Copy the ``items`` items of ``inputs`` into the graph's buffers, replay, and clone
+    the ``total`` real rows, contiguous; returns them and the launch's host seconds."""
     path = graph.spec.path
     graph.static_inputs.fill(encoder.replay_inputs(path, inputs), path)
     launched = time.perf_counter()
@@ -36,9 +36,26 @@ def replay(
     else:
         output = graph.run()
     launch_seconds = time.perf_counter() - launched
+    if output.dim() == 0 or output.shape[0] < total:
+        raise RuntimeError(row_count_message(encoder, path, output, total, items))
     # Contiguous: channels_last weight copies end in channels_last maps; eager's are not.
     rows = output if output.shape[0] == total else output[:total]
     return rows.clone(memory_format=torch.contiguous_format), launch_seconds
+
+
+def row_count_message(
+    encoder: GraphableEncoder, path: str, rows: torch.Tensor, expected: int, items: int
+) -> str:
+    """Why ``rows`` cannot be ``items`` items' ``expected`` rows, and what a tower must return."""
+    got = "a 0-dim tensor" if rows.dim() == 0 else f"{rows.shape[0]} rows {list(rows.shape)}"
+    return (
+        f"the tower behind {type(encoder).__name__} returned {got} on path {path!r} "
+        f"for {items} items whose item_specs promise {expected} rows. Graph replay "
+        "splits outputs by their first dimension: a tower must return its items' rows "
+        "along dim 0 (one row per batch row for a batch-first tower), as many as its "
+        "inputs' shapes alone determine. Run this tower without the callback, or "
+        "implement GraphableEncoder.item_specs to state its rows."
+    )
 
 
 def check_replay(

@@ -260,12 +260,17 @@ class NotBatchFirst(torch.nn.Module):
         return x[x[:, 0] > 0]  # as many rows as the data says
 
 
+@pytest.mark.parametrize("capture", ["paid_back", "first_use"])
 @pytest.mark.parametrize(
     ("output", "got"),
     [("scalar", "a 0-dim tensor"), ("transposed", "6 rows [6, 3]"), ("data_dependent", "rows")],
 )
-def test_a_tower_whose_rows_are_not_its_items_is_told_what_a_tower_must_return(output, got):
-    manager = EncoderGraphManager(BatchedEncoderAdapter(NotBatchFirst(output)), mode="full")
+def test_a_tower_whose_rows_are_not_its_items_is_told_what_a_tower_must_return(
+    output, got, capture
+):
+    # first_use: the first call replays a graph (the padded path on the CPU) before eager.
+    tower = NotBatchFirst(output)
+    manager = EncoderGraphManager(BatchedEncoderAdapter(tower), mode="full", capture=capture)
     x = torch.tensor([[1.0] * 6, [-1.0] * 6, [-1.0] * 6])
     with pytest.raises(RuntimeError) as error:
         execute(manager, x)
