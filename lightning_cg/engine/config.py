@@ -151,7 +151,8 @@ class GraphConfig:
     """How a tower's graphs are planned, captured and dispatched.
 
     Attributes:
-        paths: per encoder path, a budget choice that replaces ``budgets``.
+        paths: per encoder path, a whole budget choice used on that path instead of
+            ``budgets`` (keys are not merged).
         max_items_per_batch: most items in one sub-batch; None derives it from the budgets.
         max_frames_per_batch: attention sequences a graph holds; None is
             ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
