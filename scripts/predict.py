@@ -9,12 +9,12 @@ from omegaconf import DictConfig
 # Runs from a checkout without installing the package too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_cg.app.runner import print_report, run  # noqa: E402
+from lightning_cg.app.runner import run_app  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
 def main(cfg: DictConfig) -> None:
-    print_report(run(cfg, "predict"))
+    run_app(cfg, "predict")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@ from omegaconf import DictConfig
 # Runs from a checkout without installing the package too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_cg.app.runner import print_report, run  # noqa: E402
+from lightning_cg.app.runner import run_app  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    print_report(run(cfg, "fit"))
+    run_app(cfg, "fit")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,12 @@ TOWER_SIZES = {
     "merge_size": "spatial_merge_size",
     "temporal_patch_size": "temporal_patch_size",
 }
+
+
+class ConfigError(ValueError):
+    """A config the apps refuse before any work; the app prints its message alone."""
+
+
 #: Top-level keys an app config may have (``hydra`` when Hydra's own node is kept).
 TOP_LEVEL_KEYS = (*AppSchema.__dataclass_fields__, "hydra")
 
@@ -53,28 +59,28 @@ def check_config(cfg: DictConfig, stage: str) -> CUDAGraphCallback:
     """Refuse a config that cannot work for app ``stage``, before anything is built; return
     its callback.
 
-    Raises ValueError naming the fields and what would fit, or Hydra's InstantiationException
+    Raises ConfigError naming the fields and what would fit, or Hydra's InstantiationException
     for a callback option.
     """
     unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown top-level key(s) {unknown}; allowed: {', '.join(TOP_LEVEL_KEYS)}"
         )
     compare_eager = cfg.get("compare_eager")
     if compare_eager is not None and not isinstance(compare_eager, bool):
-        raise ValueError(
+        raise ConfigError(
             f"compare_eager must be true, false or null (on a GPU only); got {compare_eager!r}"
         )
     passes = cfg.get("passes")
     if passes is not None and (
         not isinstance(passes, int) or isinstance(passes, bool) or passes < 1
     ):
-        raise ValueError(f"passes must be a positive integer or null (auto); got passes={passes}")
+        raise ConfigError(f"passes must be a positive integer or null (auto); got passes={passes}")
     callback = instantiate(cfg.cudagraph)
     served = "validate" if stage == "fit" else stage  # a fit's validation runs
     if served not in callback.stages:
-        raise ValueError(
+        raise ConfigError(
             f"cudagraph.stages={list(callback.stages)} leaves out {served!r}, the stage this "
             f"app serves: add {served!r}, or leave the callback out of this run"
         )
@@ -85,14 +91,17 @@ def check_config(cfg: DictConfig, stage: str) -> CUDAGraphCallback:
 
 
 def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) -> nn.Module:
-    """Refuse a built tower the data or the graph options cannot serve (ValueError); return it."""
-    tower = resolve_module(model, callback.module)
+    """Refuse a built tower the data or the graph options cannot serve (ConfigError); return it."""
+    try:
+        tower = resolve_module(model, callback.module)
+    except ValueError as error:
+        raise ConfigError(f"cudagraph.{error}") from None
     if "input" in cfg.model and _tower_kind(cfg) == PACKED:
         _check_tower_sizes(cfg, getattr(tower, "config", None))
     elif "input" in cfg.model:
         side, wanted = fixed_image_side(tower), cfg.model.input.image_size
         if side is not None and side != wanted:
-            raise ValueError(
+            raise ConfigError(
                 f"model.input.image_size={wanted} disagrees with the tower "
                 f"{type(tower).__name__}, which takes {side}x{side} images only; set "
                 f"model.input.image_size={side} (the data is made at that side)"
@@ -100,8 +109,11 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     try:
         adapter = adapter_for(tower, callback.adapter)
     except ValueError as error:
-        raise ValueError(f"cudagraph.module={callback.module!r}: {error}") from None
-    EncoderGraphManager(adapter, callback.config)
+        raise ConfigError(f"cudagraph.module={callback.module!r}: {error}") from None
+    try:
+        EncoderGraphManager(adapter, callback.config)
+    except ValueError as error:
+        raise ConfigError(f"cudagraph: {error}") from None
     return tower
 
 
@@ -128,7 +140,7 @@ def _check_batch_kind(cfg: DictConfig) -> None:
     fits = [name for name, kinds in DATA_KINDS.items() if wanted in kinds]
     if HydraConfig.initialized():
         option = HydraConfig.get().runtime.choices.get("data", option)
-    raise ValueError(
+    raise ConfigError(
         f"model={_model_name(cfg)} takes {takes[wanted]}, but data={option} "
         f"serves {serves[served]}; data options that fit: {', '.join(fits)} "
         f"(photos with {photos[wanted]})"
@@ -141,7 +153,7 @@ def _check_shared_sizes(cfg: DictConfig) -> None:
     for data_key, (input_key, default) in sizes.items():
         expected = model_input.get(input_key, default)
         if data_key in data and expected is not None and data[data_key] != expected:
-            raise ValueError(
+            raise ConfigError(
                 f"data.{data_key}={data[data_key]} disagrees with the tower of "
                 f"model={_model_name(cfg)}: model.input.{input_key}={expected}; "
                 f"set data.{data_key}={expected} (its default follows the model)"
@@ -153,7 +165,7 @@ def _check_tower_sizes(cfg: DictConfig, tower_config: Any) -> None:
     for data_key, tower_key in TOWER_SIZES.items():
         tower_value = getattr(tower_config, tower_key, None)
         if isinstance(tower_value, int) and cfg.data.get(data_key, tower_value) != tower_value:
-            raise ValueError(
+            raise ConfigError(
                 f"data.{data_key}={cfg.data[data_key]} disagrees with the tower of "
                 f"model={_model_name(cfg)}: its config has {tower_key}={tower_value}; set "
                 f"data.{data_key}={tower_value} and model.input.{PACKED_SIZES[data_key][0]}="

@@ -15,7 +15,7 @@ from rich.table import Column, Table
 from torch import nn
 
 # Also registers the apps' config schema with Hydra.
-from lightning_cg.app.preflight import check_config, check_tower
+from lightning_cg.app.preflight import ConfigError, check_config, check_tower
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
 
 STAGES = ("predict", "validate", "test", "fit")
@@ -93,6 +93,16 @@ def make_trainer(
     callback = instantiate(cfg.cudagraph) if with_callback else None
     trainer = instantiate(cfg.trainer, callbacks=[callback] if callback else [])
     return trainer, callback
+
+
+def run_app(cfg: DictConfig, stage: str) -> None:
+    """An app's Hydra main: :func:`run` ``stage`` and print its report; a config refused
+    before any work exits with its message, without a traceback."""
+    try:
+        report = run(cfg, stage)
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
+    print_report(report)
 
 
 def run(cfg: DictConfig, stage: str) -> RunReport:

@@ -232,6 +232,29 @@ def test_each_script_runs_once(script):
     assert "graph replays" not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("cudagraph.stages=[validate]", "cudagraph.stages=['validate'] leaves out 'predict'"),
+        ("cudagraph.module=backbone", "cudagraph.module='backbone' does not exist"),
+        ("cudagraph.budgets.max_budget=100000000000000", "max_budget=100000000000000 cannot fit"),
+    ],
+)
+def test_a_refused_config_exits_with_its_message_and_no_traceback(override, named):
+    # Refused before any work: a bad config of the tiny tower fails in seconds.
+    overrides = [*TINY_TOWER, *SMALL_DATA, "trainer=cpu", override, "hydra.run.dir=/tmp/lcg-bad"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "predict.py"), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and named in result.stderr
+    assert "Traceback" not in result.stderr and "File " not in result.stderr
+
+
 def test_many_passes_show_the_first_two_then_the_mean():
     passes = [PassReport(1.0, 1.1), PassReport(0.7, 0.8)] + [PassReport(0.5, 0.6)] * 10
     eager = [PassReport(0.5, 0.6)] * 12
