@@ -42,4 +42,9 @@ for step in "$@"; do
         hydra.run.dir=/tmp/hydra > "$OUT/$name.log" 2>&1
       tail -45 "$OUT/$name.log" ;;
   esac
+  # A call brings back few files: each step's run metadata joins one archive.
+  metas=("$OUT"/*.meta.json)
+  if [ -e "${metas[0]}" ]; then
+    tar -rf "$OUT/meta.tar" -C "$OUT" "${metas[@]##*/}" && rm -f "${metas[@]}"
+  fi
 done
