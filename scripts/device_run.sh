@@ -11,6 +11,24 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+# The first CUDA process of a fresh machine loads cuBLAS, cuDNN and graph support from a
+# cold disk; pay that here, not in the first step's first capture.
+python3 - <<'WARM'
+import torch
+conv, linear = torch.nn.Conv2d(3, 8, 3).cuda(), torch.nn.Linear(8, 8).cuda()
+x = torch.randn(2, 3, 16, 16, device="cuda")
+with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16):
+    forward = lambda: linear(conv(x).mean((2, 3)))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    graph.replay()
+torch.cuda.synchronize()
+WARM
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
