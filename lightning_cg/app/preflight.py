@@ -95,7 +95,7 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     try:
         tower = resolve_module(model, callback.module)
     except ValueError as error:
-        raise ConfigError(f"cudagraph.{error}") from None
+        raise ConfigError(f"cudagraph.module={callback.module!r}: {error}") from None
     if "input" in cfg.model and _tower_kind(cfg) == PACKED:
         _check_tower_sizes(cfg, getattr(tower, "config", None))
     elif "input" in cfg.model:

@@ -236,7 +236,7 @@ def test_each_script_runs_once(script):
     ("override", "named"),
     [
         ("cudagraph.stages=[validate]", "cudagraph.stages=['validate'] leaves out 'predict'"),
-        ("cudagraph.module=backbone", "cudagraph.module='backbone' does not exist"),
+        ("cudagraph.module=backbone", "cudagraph.module='backbone': module='backbone' does"),
         ("cudagraph.budgets.max_budget=100000000000000", "max_budget=100000000000000 cannot fit"),
     ],
 )
