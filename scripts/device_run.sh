@@ -43,14 +43,14 @@ for step in "$@"; do
       IFS=: read -r _ name args <<< "$step"
       # shellcheck disable=SC2086
       timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench_trainer.py $args --overwrite \
-        --output "$OUT/$name.json" > "/tmp/$name.log" 2>&1
-      tail -25 "/tmp/$name.log"
+        --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      tail -25 "$OUT/$name.log"
       if [ -d .baseline ]; then
         # shellcheck disable=SC2086
         (cd .baseline && PYTHONPATH=/tmp/site:$PWD timeout "${BENCH_TIMEOUT:-240}" \
           python3 scripts/bench_trainer.py $args --overwrite --output "$OUT/$name-baseline.json") \
-          > "/tmp/$name-baseline.log" 2>&1
-        tail -25 "/tmp/$name-baseline.log"
+          > "$OUT/$name-baseline.log" 2>&1
+        tail -25 "$OUT/$name-baseline.log"
         python3 scripts/compare_trainer.py "$OUT/$name.json" "$OUT/$name-baseline.json"
       fi ;;
     bench:*)
@@ -60,9 +60,7 @@ for step in "$@"; do
         hydra.run.dir=/tmp/hydra > "$OUT/$name.log" 2>&1
       tail -45 "$OUT/$name.log" ;;
   esac
-  # A call brings back few files: each step's run metadata joins one archive.
-  metas=("$OUT"/*.meta.json)
-  if [ -e "${metas[0]}" ]; then
-    tar -rf "$OUT/meta.tar" -C "$OUT" "${metas[@]##*/}" && rm -f "${metas[@]}"
-  fi
+  # A call brings back few files: each step's results, logs and metadata join one archive.
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name results.tar -printf '%P\0' \
+    | xargs -0 -r sh -c 'tar -rf results.tar "$@" && rm -f "$@"' tar)
 done
