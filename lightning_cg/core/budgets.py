@@ -95,12 +95,19 @@ def smallest_fitting_budget(tokens: int, budgets: Sequence[int]) -> int | None:
     return budgets[index] if index < len(budgets) else None
 
 
-def _check_user_budgets(user_budgets: Sequence[int]) -> list[int]:
+def check_budget_list(user_budgets: Sequence[int]) -> list[int]:
+    """An explicit ladder, ascending; refused unless non-empty positive integers, each once."""
     if not user_budgets or not all(is_positive_int(budget) for budget in user_budgets):
         raise ValueError(
             f"budgets must be a non-empty list of positive integers (got budgets={user_budgets!r})"
         )
-    return sorted(set(user_budgets))
+    repeated = sorted({budget for budget in user_budgets if user_budgets.count(budget) > 1})
+    if repeated:
+        # A repeat is most likely a typo for a budget left out: say so rather than drop it.
+        raise ValueError(
+            f"budgets must list each budget once; {repeated} repeat (got budgets={user_budgets!r})"
+        )
+    return sorted(user_budgets)
 
 
 def _check_user_max_items(user_max_items: int, limit: int, limit_name: str) -> None:
@@ -115,7 +122,7 @@ def _check_user_max_items(user_max_items: int, limit: int, limit_name: str) -> N
 def _resolve_user_budgets(
     min_budget: int, max_budget: int, user_budgets: Sequence[int], user_max_items: int | None
 ) -> tuple[list[int], int]:
-    budgets = _check_user_budgets(user_budgets)
+    budgets = check_budget_list(user_budgets)
     if user_max_items is None:
         return budgets, min(max_budget // min_budget, budgets[0])
     _check_user_max_items(user_max_items, budgets[0], "the smallest budget")

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_cg.core.budgets import LADDERS, is_finite_number
+from lightning_cg.core.budgets import LADDERS, check_budget_list, is_finite_number
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.compiled import check_compile
 from lightning_cg.engine.piecewise import (
@@ -48,7 +48,7 @@ class BudgetConfig:
 
     Attributes:
         min_budget: smallest budget; None takes the adapter's default (so does max_budget).
-        budgets: an explicit ladder; overrides min/max.
+        budgets: an explicit ladder, each budget once, in any order; overrides min/max.
         ladder: ``pow2`` (double from min) or ``geometric`` (multiply by ratio).
         align: geometric budgets are rounded up to a multiple of this.
         compiled_ratio: with a dynamic-shape compiled forward, a coarser generated ladder
@@ -80,6 +80,7 @@ class BudgetConfig:
                 raise ValueError("budgets must be a non-empty list of positive integers; got []")
             for index, budget in enumerate(self.budgets):
                 _check_positive_int(f"budgets[{index}]", budget)
+            check_budget_list(self.budgets)
             object.__setattr__(self, "budgets", tuple(self.budgets))
         _check_choice("ladder", self.ladder, LADDERS)
         if not is_finite_number(self.ratio) or not self.ratio > 1:

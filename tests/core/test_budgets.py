@@ -123,8 +123,13 @@ def test_smallest_fitting_budget_is_the_smallest_that_fits(budgets, tokens):
     assert smallest_fitting_budget(tokens, budgets) == (min(fitting) if fitting else None)
 
 
-def test_resolve_both_given_sorts_and_dedupes():
-    assert resolve_budgets(64, 4096, [512, 128, 512, 2048], 16) == ([128, 512, 2048], 16)
+def test_resolve_both_given_sorts_the_ladder():
+    assert resolve_budgets(64, 4096, [512, 128, 2048], 16) == ([128, 512, 2048], 16)
+
+
+def test_a_repeated_budget_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"budgets must list each budget once; \[512\] repeat"):
+        resolve_budgets(64, 4096, [512, 128, 512, 2048], 16)
 
 
 def test_resolve_both_given_max_items_may_equal_smallest_budget():

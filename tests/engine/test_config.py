@@ -56,6 +56,7 @@ def test_compile_only_options_are_accepted_with_compile():
         ({"paths": {"image": {"max_budget": "x"}}}, "paths.image.max_budget must be"),
         ({"budgets": {"min_budget": 0}}, "budgets.min_budget must be"),
         ({"budgets": {"ratio": 1.5}}, "budgets.ratio=1.5 applies only to ladder"),
+        ({"budgets": {"budgets": [8, 16, 8]}}, "budgets.budgets must list each budget once"),
     ],
 )
 def test_a_bad_budget_key_is_named_with_the_option_that_holds_it(options, named):
