@@ -2,8 +2,9 @@
 
 Both files come from ``scripts/bench_trainer.py`` run on the same workloads in the same
 call (``scripts/device_run.sh`` writes ``NAME.json`` and ``NAME-baseline.json``). For each
-row of the current file it prints both vs-eager ratios, their quotient and the graphs
-captured, then checks the targets of a change that must not slow users down:
+row of the current file it prints both vs-eager ratios, their quotient, the graphs
+captured and the callback seconds over the reference's, then checks the targets of a
+change that must not slow users down:
 
 - every row is at least ``--min-ratio`` (0.97) of the reference's vs-eager ratio;
 - no first run is below ``--min-first`` (0.95x) eager;
@@ -45,9 +46,20 @@ def compare(current: list[dict], reference: list[dict], args: argparse.Namespace
             f"{name}: {ratio:.2f}x eager, reference "
             + ("-" if old_ratio is None else f"{old_ratio:.2f}x, {quotient:.2f} of it")
             + f"; {row['graphs_captured']} captured, {graphs:.0f} held"
+            + callback_seconds(row, old)
         )
         missed += row_targets(row, name, quotient, args)
     return missed
+
+
+def callback_seconds(row: dict, old: dict | None) -> str:
+    """The callback's tower seconds over the reference's: unlike the vs-eager ratio, free
+    of eager's own spread between the two processes."""
+    seconds = row.get("callback_tower_s")
+    old_seconds = None if old is None else old.get("callback_tower_s")
+    if not seconds or not old_seconds:
+        return ""
+    return f"; callback {seconds:.3f} s, {seconds / old_seconds:.2f} of the reference's"
 
 
 def row_targets(

@@ -6,7 +6,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def row(workload: str, run: str, vs_eager: float, captured: int = 0, held: int = 1) -> dict:
+def row(
+    workload: str,
+    run: str,
+    vs_eager: float,
+    captured: int = 0,
+    held: int = 1,
+    callback_s: float | None = None,
+) -> dict:
     stats = {"graphs": float(held)}
     return dict(
         workload=workload,
@@ -15,6 +22,7 @@ def row(workload: str, run: str, vs_eager: float, captured: int = 0, held: int =
         vs_eager=vs_eager,
         graphs_captured=captured,
         callback_stats=stats,
+        callback_tower_s=callback_s,
     )
 
 
@@ -32,12 +40,25 @@ def compare(tmp_path: Path, current: list[dict], reference: list[dict]):
 
 
 def test_rows_that_keep_every_target_pass(tmp_path):
-    current = [row("vit/batch_8", "first", 2.0, captured=1), row("vit/batch_8", "second", 3.5)]
-    reference = [row("vit/batch_8", "first", 2.0), row("vit/batch_8", "second", 3.6)]
+    current = [
+        row("vit/batch_8", "first", 2.0, captured=1, callback_s=0.3),
+        row("vit/batch_8", "second", 3.5, callback_s=0.2),
+    ]
+    reference = [
+        row("vit/batch_8", "first", 2.0, callback_s=0.25),
+        row("vit/batch_8", "second", 3.6),
+    ]
     result = compare(tmp_path, current, reference)
     assert result.returncode == 0, result.stdout
-    assert "vit/batch_8 100 batches, second run: 3.50x eager, reference 3.60x, 0.97 of it" in (
-        result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0] == (
+        "vit/batch_8 100 batches, first run: 2.00x eager, reference 2.00x, 1.00 of it; "
+        "1 captured, 1 held; callback 0.300 s, 1.20 of the reference's"
+    )
+    # Without the reference's seconds there is no quotient to give.
+    assert lines[1] == (
+        "vit/batch_8 100 batches, second run: 3.50x eager, reference 3.60x, 0.97 of it; "
+        "0 captured, 1 held"
     )
 
 
