@@ -105,7 +105,8 @@ def check_budget_list(user_budgets: Sequence[int]) -> list[int]:
     if repeated:
         # A repeat is most likely a typo for a budget left out: say so rather than drop it.
         raise ValueError(
-            f"budgets must list each budget once; {repeated} repeat (got budgets={user_budgets!r})"
+            f"budgets must list each budget once; repeated: {repeated} "
+            f"(got budgets={user_budgets!r})"
         )
     return sorted(user_budgets)
 

@@ -128,7 +128,7 @@ def test_resolve_both_given_sorts_the_ladder():
 
 
 def test_a_repeated_budget_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"budgets must list each budget once; \[512\] repeat"):
+    with pytest.raises(ValueError, match=r"budgets must list each budget once; repeated: \[512\] "):
         resolve_budgets(64, 4096, [512, 128, 512, 2048], 16)
 
 
