@@ -15,6 +15,8 @@ change that must not slow users down:
 Exits 1 naming each missed target.
 
     python scripts/compare_trainer.py out/vit.json out/vit-baseline.json
+    python scripts/compare_trainer.py benchmarks/h100-trainer-suite.json \
+        benchmarks/h100-trainer-0.1.0.json --table     # BENCHMARKS.md's table
 """
 
 from __future__ import annotations
@@ -33,23 +35,55 @@ def row_key(row: dict) -> tuple[str, int, str]:
 
 
 def compare(current: list[dict], reference: list[dict], args: argparse.Namespace) -> list[str]:
-    """Print one line per current row; return the targets it misses."""
+    """Print one line per current row (``--table``: one Markdown table row); return the
+    targets it misses."""
     reference_rows = {row_key(row): row for row in reference}
     missed = []
+    if args.table:
+        print(TABLE_HEADER)
+    previous = None
     for row in current:
+        if args.table:
+            print(table_row(row, reference_rows.get(row_key(row)), row["workload"] != previous))
+            previous = row["workload"]
         name = "{} {} batches, {} run".format(*row_key(row))
         ratio, graphs = row["vs_eager"], row["callback_stats"]["graphs"]
         old = reference_rows.get(row_key(row))
         old_ratio = None if old is None else old["vs_eager"]
         quotient = None if old_ratio is None else ratio / old_ratio
-        print(
-            f"{name}: {ratio:.2f}x eager, reference "
-            + ("-" if old_ratio is None else f"{old_ratio:.2f}x, {quotient:.2f} of it")
-            + f"; {row['graphs_captured']} captured, {graphs:.0f} held"
-            + callback_seconds(row, old)
-        )
+        if not args.table:
+            print(
+                f"{name}: {ratio:.2f}x eager, reference "
+                + ("-" if old_ratio is None else f"{old_ratio:.2f}x, {quotient:.2f} of it")
+                + f"; {row['graphs_captured']} captured, {graphs:.0f} held"
+                + callback_seconds(row, old)
+            )
         missed += row_targets(row, name, quotient, args)
     return missed
+
+
+TABLE_HEADER = """\
+| workload (batches) | run | current | reference | vs-eager ratio | callback s ratio |
+|---|---|---|---|---|---|"""
+
+
+def table_row(row: dict, old: dict | None, first_of_workload: bool) -> str:
+    """One row of BENCHMARKS.md's Trainer table: each engine's eager / callback seconds,
+    speed-up and graphs captured, then the current over the reference."""
+    name = f"{row['workload']} ({row['batches']})" if first_of_workload else ""
+    cells = [name, row["run"], _engine_cell(row), "-", "-", "-"]
+    if old is not None:
+        cells[3] = _engine_cell(old)
+        cells[4] = f"{row['vs_eager'] / old['vs_eager']:.2f}"
+        cells[5] = f"{row['callback_tower_s'] / old['callback_tower_s']:.2f}"
+    return "| " + " | ".join(cells) + " |"
+
+
+def _engine_cell(row: dict) -> str:
+    return (
+        f"{row['eager_tower_s']:.3f} / {row['callback_tower_s']:.3f}, "
+        f"{row['vs_eager']:.2f}x, {row['graphs_captured']}"
+    )
 
 
 def callback_seconds(row: dict, old: dict | None) -> str:
@@ -90,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-ratio", type=float, default=0.97)
     parser.add_argument("--min-first", type=float, default=0.95)
     parser.add_argument("--min-multiscale", type=float, default=1.8)
+    parser.add_argument(
+        "--table", action="store_true", help="print the rows as BENCHMARKS.md's Markdown table"
+    )
     return parser.parse_args(argv)
 
 

@@ -26,13 +26,13 @@ def row(
     )
 
 
-def compare(tmp_path: Path, current: list[dict], reference: list[dict]):
+def compare(tmp_path: Path, current: list[dict], reference: list[dict], *flags: str):
     paths = []
     for name, rows in (("current", current), ("reference", reference)):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(rows))
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compare_trainer.py"), *map(str, paths)],
+        [sys.executable, str(ROOT / "scripts" / "compare_trainer.py"), *map(str, paths), *flags],
         capture_output=True,
         text=True,
         timeout=60,
@@ -80,4 +80,22 @@ def test_each_missed_target_is_named(tmp_path):
         "MISSED vit/batch_8 100 batches, second run: a later run captured 2 graphs",
         f"MISSED {sides} 100 batches, third run: 3 graphs, not 4",
         f"MISSED {sides} 100 batches, fourth run: 1.50x eager, below 1.8x",
+    ]
+
+
+def test_table_prints_each_row_against_the_reference(tmp_path):
+    def timed(run: str, eager: float, callback: float, captured: int) -> dict:
+        return {
+            **row("vit/batch_8", run, eager / callback, captured=captured),
+            "eager_tower_s": eager,
+            "callback_tower_s": callback,
+        }
+
+    current = [timed("first", 0.6, 0.3, 1), timed("second", 0.6, 0.2, 0)]
+    reference = [timed("first", 0.5, 0.25, 1)]
+    result = compare(tmp_path, current, reference, "--table")
+    assert result.stdout.splitlines()[2:] == [
+        "| vit/batch_8 (100) | first | 0.600 / 0.300, 2.00x, 1 | 0.500 / 0.250, 2.00x, 1 "
+        "| 1.00 | 1.20 |",
+        "|  | second | 0.600 / 0.200, 3.00x, 0 | - | - | - |",
     ]
