@@ -43,12 +43,12 @@ def compare(current: list[dict], reference: list[dict], args: argparse.Namespace
         print(TABLE_HEADER)
     previous = None
     for row in current:
+        old = reference_rows.get(row_key(row))
         if args.table:
-            print(table_row(row, reference_rows.get(row_key(row)), row["workload"] != previous))
+            print(table_row(row, old, row["workload"] != previous))
             previous = row["workload"]
         name = "{} {} batches, {} run".format(*row_key(row))
         ratio, graphs = row["vs_eager"], row["callback_stats"]["graphs"]
-        old = reference_rows.get(row_key(row))
         old_ratio = None if old is None else old["vs_eager"]
         quotient = None if old_ratio is None else ratio / old_ratio
         if not args.table:
