@@ -50,19 +50,21 @@ def plot_speedups(rows: list[dict[str, Any]], path: Path) -> Path | None:
     methods = list(
         dict.fromkeys(row["method"] for row in rows if row["method"] != "eager" and row["vs_eager"])
     )
-    width = 0.8 / max(1, len(methods))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(workloads) * max(1, len(methods))), 4.5))
+    height = 0.8 / max(1, len(methods))
+    # Horizontal bars: workload names read level however many rows a suite has.
+    fig, ax = plt.subplots(figsize=(8.0, 1.5 + 0.22 * len(workloads) * max(1, len(methods))))
     for offset, method in enumerate(methods):
         values = [speedups.get((name, method)) or float("nan") for name in workloads]
         positions = [
-            index + (offset - (len(methods) - 1) / 2) * width for index in range(len(workloads))
+            index + (offset - (len(methods) - 1) / 2) * height for index in range(len(workloads))
         ]
-        ax.bar(positions, values, width, label=method)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(workloads)), workloads, rotation=40, ha="right")
-    ax.set_ylabel("speed-up over eager (x)")
+        ax.barh(positions, values, height, label=method)
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_yticks(range(len(workloads)), workloads)
+    ax.invert_yaxis()  # the first workload on top, as in the tables
+    ax.set_xlabel("speed-up over eager (x)")
     devices = ", ".join(sorted({f"{row['device']} {row['dtype']}" for row in rows}))
-    ax.set_title(f"lightning-cg benchmark: {devices}")
+    fig.suptitle(f"lightning-cg benchmark: {devices}")
     if methods:
         ax.legend(fontsize="small")
     fig.tight_layout()

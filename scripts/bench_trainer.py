@@ -36,7 +36,7 @@ precision allows (relative norm: 2e-2 under bf16-mixed, 1e-4 in 32-true;
     python scripts/bench_trainer.py --device cpu --tiny --batches 2 --fit-epochs 2 \\
         --fit-val-batches 2 --output /tmp/trainer.json
 
-Rows are merged into ``--output`` (default benchmarks/h200-trainer.json) after
+Rows are merged into ``--output`` (default benchmarks/h100-trainer.json) after
 each workload, so runs split over several invocations add up to one file; a
 later invocation replaces the methods it ran in rows it shares with the file.
 ``--from-json a.json b.json`` merges row files the same way and runs nothing.
@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the largest relative difference (norm of the difference over eager's) "
         "that --check allows per batch; default: 2e-2 under bf16, 1e-4 in float32",
     )
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "h200-trainer.json")
+    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "h100-trainer.json")
     parser.add_argument(
         "--plot",
         type=Path,

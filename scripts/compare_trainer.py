@@ -15,8 +15,8 @@ change that must not slow users down:
 Exits 1 naming each missed target.
 
     python scripts/compare_trainer.py out/vit.json out/vit-baseline.json
-    python scripts/compare_trainer.py benchmarks/h100-trainer-suite.json \
-        benchmarks/h100-trainer-0.1.0.json --table     # BENCHMARKS.md's table
+    python scripts/compare_trainer.py benchmarks/h100-vs-0.1.0-current.json \
+        benchmarks/h100-vs-0.1.0-reference.json --table     # BENCHMARKS.md's table
 """
 
 from __future__ import annotations

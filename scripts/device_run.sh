@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (see BENCHMARKS.md): Hydra wheels, then steps.
-# Usage there: bash scripts/device_run.sh cuda-tests demo "bench:NAME:OVERRIDES..." \
+# Usage there: bash scripts/device_run.sh cuda-tests cuda-slow demo "bench:NAME:OVERRIDES..." \
 #   "trainer:NAME:BENCH_TRAINER_ARGS..." ...
 # A trainer step runs scripts/bench_trainer.py here, then the same arguments in .baseline/
 # when it exists (scripts/bench_baseline.sh puts a reference library there; the other
@@ -32,14 +32,19 @@ WARM
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
-    cuda-tests)
+    cuda-tests|cuda-slow)
+      # Two steps: the whole cuda suite outlasts one call's time limit.
       # No -q: the project's addopts hold one, and a second hides the counts line.
-      python3 -m pytest -m cuda -p no:cacheprovider --timeout=300 --durations=15 > "$OUT/cuda-tests.log" 2>&1
-      grep -E "passed|failed|FAILED|ERROR" "$OUT/cuda-tests.log" | tail -30 ;;
+      marker="cuda and not slow"
+      [ "$step" = cuda-slow ] && marker="cuda and slow"
+      python3 -m pytest -m "$marker" -p no:cacheprovider --timeout=300 --durations=15 \
+        > "$OUT/$step.log" 2>&1
+      grep -E "passed|failed|FAILED|ERROR" "$OUT/$step.log" | tail -30 ;;
     demo)
-      # What `make demo` runs.
+      # What `make demo` runs; its per-pass table comes back in demo.log.
       python3 scripts/predict.py data.batch_size=1 data.repeats=4 trainer=gpu \
-        hydra.run.dir=/tmp/hydra 2>&1 | tail -22 ;;
+        hydra.run.dir=/tmp/hydra > "$OUT/demo.log" 2>&1
+      tail -22 "$OUT/demo.log" ;;
     trainer:*)
       IFS=: read -r _ name args <<< "$step"
       # REFERENCE_FIRST=1 runs .baseline/ first: the first process to use a kernel may
@@ -72,6 +77,9 @@ for step in "$@"; do
       timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench.py $overrides output="$OUT/$name.json" plot="$OUT/$name.png" \
         hydra.run.dir=/tmp/hydra > "$OUT/$name.log" 2>&1
       tail -45 "$OUT/$name.log" ;;
+    *)
+      echo "unknown step $step; steps: cuda-tests, cuda-slow, demo, trainer:NAME:ARGS, bench:NAME:OVERRIDES" >&2
+      exit 2 ;;
   esac
   # A call brings back few files: each step's results, logs and metadata join one archive.
   (cd "$OUT" && find . -maxdepth 1 -type f ! -name results.tar -printf '%P\0' \

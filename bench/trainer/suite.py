@@ -87,7 +87,7 @@ class BenchSettings:
     fit_epochs: int = 5
     fit_val_batches: int = 50
     fit_train_batches: int = 2
-    output: Path = Path("benchmarks/h200-trainer.json")
+    output: Path = Path("benchmarks/h100-trainer.json")
     overwrite: bool = False
     check: bool = False
     check_tolerance: float | None = None
