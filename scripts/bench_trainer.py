@@ -61,7 +61,13 @@ import torch  # noqa: E402
 
 from bench.report import plot_speedups  # noqa: E402
 from bench.trainer.checks import tolerance  # noqa: E402
-from bench.trainer.rows import merge_rows, read_rows, speedup_bars, write_json  # noqa: E402
+from bench.trainer.rows import (  # noqa: E402
+    markdown_table,
+    merge_rows,
+    read_rows,
+    speedup_bars,
+    write_json,
+)
 from bench.trainer.runs import COMPILE, METHODS, TrainerSettings  # noqa: E402
 from bench.trainer.suite import BenchSettings, run_benchmark  # noqa: E402
 from bench.trainer.workloads import (  # noqa: E402
@@ -174,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also draw the rows (merged or run) as bars of speed-up over eager, a PNG",
     )
     parser.add_argument(
+        "--table",
+        action="store_true",
+        help="also print the rows (merged or run) as BENCHMARKS.md's markdown table",
+    )
+    parser.add_argument(
         "--from-json",
         nargs="+",
         type=Path,
@@ -248,6 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{len(rows)} rows merged into {settings.output}")
     if args.plot is not None and plot_speedups(speedup_bars(rows), args.plot) is not None:
         print(f"plot in {args.plot}")
+    if args.table:
+        print(markdown_table(rows))
     return rows
 
 

@@ -332,6 +332,50 @@ def _calls_ms(row: Mapping[str, Any], method: str) -> str | None:
     return f"{method} {first * 1e3:.2f} / {median * 1e3:.2f} ms"
 
 
+#: The columns of :func:`markdown_table`.
+TABLE_HEADER = (
+    "| workload (batches) | run | eager s | callback s | reduce-overhead s | vs eager "
+    "| vs reduce-overhead | graphs (capture s) | rel. diff |"
+)
+
+
+def markdown_table(rows: Iterable[Mapping[str, Any]]) -> str:
+    """The rows as BENCHMARKS.md's Trainer table: one line per run, the workload named
+    on its first; ``-`` where a method did not run."""
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    previous = None
+    for row in rows:
+        workload = row["workload"]
+        name = f"{workload} ({row['batches']})" if workload != previous else ""
+        previous = workload
+        captured = row.get("graphs_captured") or 0
+        cells = [
+            name,
+            row["run"].replace("epochs_1-5", "5 epochs"),
+            *(_seconds(row.get(f"{method}_tower_s")) for method in (EAGER, CALLBACK, COMPILE)),
+            _ratio(row.get("vs_eager")),
+            _ratio(row.get("vs_compile")),
+            f"{captured:.0f} ({row['capture_s']:.2f})" if captured else "0",
+            _difference(row.get("callback_max_rel_diff")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _difference(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "0" if value == 0 else f"{value:.1e}"
+
+
 def speedup_bars(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The rows as :func:`bench.report.plot_speedups` draws them: per workload, batches
     and run, the callback's and torch.compile's speed-up over eager."""

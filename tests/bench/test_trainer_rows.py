@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from bench.trainer.module import RunClock, RunRecord
-from bench.trainer.rows import describe, median_runs, predict_rows, repeat_fields
+from bench.trainer.rows import (
+    describe,
+    markdown_table,
+    median_runs,
+    predict_rows,
+    repeat_fields,
+)
 from bench.trainer.runs import PredictRun
 
 
@@ -87,3 +93,36 @@ def test_predict_rows_carry_each_methods_first_and_median_call():
     assert "calls (first / median): eager 70.00 / 50.00 ms, callback 300.00 / 20.00 ms" in describe(
         first
     )
+
+
+def test_the_markdown_table_names_each_workload_once_and_marks_what_did_not_run():
+    first = {
+        "workload": "vit_b_16/batch_8",
+        "batches": 100,
+        "run": "first",
+        "eager_tower_s": 0.9,
+        "callback_tower_s": 0.3,
+        "compile_tower_s": 15.0,
+        "vs_eager": 3.0,
+        "vs_compile": 50.0,
+        "graphs_captured": 1,
+        "capture_s": 0.125,
+        "callback_max_rel_diff": 0.0,
+    }
+    second = first | {
+        "run": "second",
+        "compile_tower_s": None,
+        "vs_compile": None,
+        "graphs_captured": 0,
+        "capture_s": 0.0,
+        "callback_max_rel_diff": 3.3e-3,
+    }
+    fit = {"workload": "fit/vit_b_16/batch_8", "batches": 250, "run": "epochs_1-5"}
+    header, rule, *lines = markdown_table([first, second, fit]).splitlines()
+    assert header.count("|") == rule.count("|") == 10
+    assert lines == [
+        "| vit_b_16/batch_8 (100) | first | 0.900 | 0.300 | 15.000 | 3.00x | 50.00x "
+        "| 1 (0.12) | 0 |",
+        "|  | second | 0.900 | 0.300 | - | 3.00x | - | 0 | 3.3e-03 |",
+        "| fit/vit_b_16/batch_8 (250) | 5 epochs | - | - | - | - | - | 0 | - |",
+    ]
