@@ -351,7 +351,7 @@ def markdown_table(rows: Iterable[Mapping[str, Any]]) -> str:
         captured = row.get("graphs_captured") or 0
         cells = [
             name,
-            row["run"].replace("epochs_1-5", "5 epochs"),
+            row["run"].replace("_", " "),  # epochs_1-5: the epochs a fit row sums
             *(_seconds(row.get(f"{method}_tower_s")) for method in (EAGER, CALLBACK, COMPILE)),
             _ratio(row.get("vs_eager")),
             _ratio(row.get("vs_compile")),

@@ -124,5 +124,5 @@ def test_the_markdown_table_names_each_workload_once_and_marks_what_did_not_run(
         "| vit_b_16/batch_8 (100) | first | 0.900 | 0.300 | 15.000 | 3.00x | 50.00x "
         "| 1 (0.12) | 0 |",
         "|  | second | 0.900 | 0.300 | - | 3.00x | - | 0 | 3.3e-03 |",
-        "| fit/vit_b_16/batch_8 (250) | 5 epochs | - | - | - | - | - | 0 | - |",
+        "| fit/vit_b_16/batch_8 (250) | epochs 1-5 | - | - | - | - | - | 0 | - |",
     ]
