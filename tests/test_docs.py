@@ -1,9 +1,15 @@
-"""The docs point at what exists: the tests each invariant names, the files each link names."""
+"""The docs point at what exists: the tests each invariant names, the files each link names,
+and the README's options table names every option."""
 
+import dataclasses
+import inspect
 import re
 from pathlib import Path
 
 import pytest
+
+from lightning_cg import CUDAGraphCallback
+from lightning_cg.engine.config import BudgetConfig, GraphConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Documents whose invariants and links must resolve.
@@ -67,3 +73,25 @@ def test_a_renamed_test_and_a_removed_file_are_caught(tmp_path):
     (tmp_path / "kept.json").write_text("[]")
     document.write_text("[a](kept.json) [b](gone.json#top) [c](https://example.org/x)")
     assert broken_links(document) == ["gone.json"]
+
+
+def documented_names(readme: str) -> set[str]:
+    """Every name written in backticks in the README's Options section, dotted parts apart."""
+    section = readme.split("## Options", 1)[1].split("\n## ", 1)[0]
+    names = set()
+    for quoted in re.findall(r"`([^`]+)`", section):
+        names.update(part for part in re.split(r"[.\s=]", quoted) if part)
+    return names
+
+
+def test_the_readme_options_table_names_every_option():
+    options = {field.name for field in dataclasses.fields(GraphConfig)}
+    options |= {field.name for field in dataclasses.fields(BudgetConfig)}
+    options |= set(inspect.signature(CUDAGraphCallback).parameters) - {"config", "options"}
+    documented = documented_names((ROOT / "README.md").read_text())
+    assert sorted(options - documented) == []
+
+
+def test_an_option_left_out_of_the_readme_is_caught():
+    readme = "## Options\n| `budgets.max_budget` | 1 | `ratio` with `pow2` |\n## Next\n`verify`"
+    assert documented_names(readme) == {"budgets", "max_budget", "ratio", "pow2"}
