@@ -25,6 +25,7 @@ class ToyTower(nn.Module):
         self.embed = nn.Linear(dim_in, dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
+        self.eval()  # as a served tower is: train mode runs eagerly
 
     def body(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)  # (T, D)

@@ -48,6 +48,7 @@ class GraphStats:
     eager_rows_interact: int = 0  # the key's padded graph differed from eager: rows interact
     eager_compiled_mismatch: int = 0  # a compiled graph differed from eager: compiling ended
     eager_grad_enabled: int = 0  # the call needed gradients, which graphs do not hold
+    eager_training: int = 0  # the tower was in train mode (dropout, batch statistics)
     checked_replays: int = 0
     checked_tokens: int = 0
 

@@ -61,16 +61,16 @@ class CallRunner:
         """Drop the pending timings of the graphs."""
         self.timer.clear()
 
-    def run_eagerly(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
-        """Every path of the whole call eagerly, as one sub-batch (a call that needs
-        gradients: graphs hold no autograd state); counted as ``eager_grad_enabled``."""
+    def run_eagerly(self, inputs: Any, specs: list[ItemSpec], reason: str) -> CallOutputs:
+        """Every path of the whole call eagerly, as one sub-batch, counted as ``eager_{reason}``
+        (a call no graph may serve: gradients enabled, or the tower in train mode)."""
         call = CallOutputs(len(specs))
         sub_batch = self._sub_batch(inputs, list(range(len(specs))), specs)
         self._run_eagerly(call, sub_batch)
         self.stats.sub_batches += 1
         for path in self.path_names:
             if any(sub_batch.tokens(path)):
-                self.stats.count_eager("grad_enabled")
+                self.stats.count_eager(reason)
         return call
 
     def run(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:

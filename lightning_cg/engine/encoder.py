@@ -110,7 +110,9 @@ class GraphableEncoder(Protocol):
     output from ``{path: every item's rows in order}`` (no per-item split);
     ``collects_layer_outputs(path, buffers)`` says whether a graph serves calls that
     collect per-layer outputs in a list: with compiled blocks those capture the
-    uncompiled forward, since each block would compile again.
+    uncompiled forward, since each block would compile again; ``tower``, the module itself:
+    graphs read low-precision copies of its weights under autocast, and calls while it is
+    in train mode run eagerly.
     """
 
     def graph_config(self) -> EncoderGraphConfig:

@@ -11,6 +11,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_cg.core.capture_policy import CapturePolicy
 from lightning_cg.core.stats import GraphStats
@@ -63,6 +64,9 @@ class EncoderGraphManager:
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
         #: The compiling wrapper of the adapter, which the parts capture (None uncompiled).
         self.compiled_encoder = compiled_encoder_for(encoder, self.config)
+        tower = getattr(encoder, "tower", None)
+        #: The adapter's module, whose train mode sends calls to eager (None: it names none).
+        self._tower = tower if isinstance(tower, nn.Module) else None
         encoder = self.encoder = self.compiled_encoder or encoder
         self.encoder_config = encoder.graph_config()
         choices = path_budget_choices(self.encoder_config, self.config)
@@ -158,9 +162,8 @@ class EncoderGraphManager:
         """Run the tower on ``inputs`` through graphs where they fit, eager elsewhere; the
         tower's own output format, items in order, aliasing no graph buffer."""
         specs = self._counted_specs(inputs)
-        # Graphs hold no autograd state: a caller that needs gradients runs eagerly.
-        if torch.is_grad_enabled():
-            outputs = self.runner.run_eagerly(inputs, specs)
+        if (reason := self._eager_reason()) is not None:
+            outputs = self.runner.run_eagerly(inputs, specs, reason)
         else:
             if self.compiling is not None:
                 self.compiling.before_call()
@@ -173,11 +176,20 @@ class EncoderGraphManager:
     def execute_items(self, inputs: Any) -> list[dict[str, torch.Tensor]]:
         """Like :meth:`execute`, but per item: ``{path: output rows}`` in input order."""
         specs = self._counted_specs(inputs)
-        if torch.is_grad_enabled():
-            return self.runner.run_eagerly(inputs, specs).per_item()
+        if (reason := self._eager_reason()) is not None:
+            return self.runner.run_eagerly(inputs, specs, reason).per_item()
         if self.compiling is not None:
             self.compiling.before_call()
         return self.runner.run(inputs, specs).per_item()
+
+    def _eager_reason(self) -> str | None:
+        """Why no graph may serve this call: graphs hold no autograd state, and a tower in
+        train mode (dropout, batch norm over padded rows) must see exactly the caller's rows."""
+        if torch.is_grad_enabled():
+            return "grad_enabled"
+        if self._tower is not None and self._tower.training:
+            return "training"
+        return None
 
     def _counted_specs(self, inputs: Any) -> list[ItemSpec]:
         specs = self.encoder.item_specs(inputs)

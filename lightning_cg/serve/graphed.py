@@ -83,7 +83,8 @@ def graphed(
 
     Inside, calls replay graphs where a budget fits and run eagerly elsewhere, returning the
     tower's own output; leaving, also by an exception, puts back the forward that was there.
-    Calls with gradients enabled run eagerly (use ``torch.inference_mode()`` and eval mode).
+    Calls with gradients enabled, or with the tower in train mode, run eagerly (use
+    ``torch.inference_mode()`` and ``tower.eval()``).
 
     Args:
         adapter: as for :func:`~lightning_cg.adapters.adapter_for`.

@@ -261,6 +261,18 @@ def test_grad_enabled_runs_eagerly():
     assert (manager.stats.hits, manager.stats.misses, manager.stats.eager_grad_enabled) == (0, 1, 1)
 
 
+def test_a_tower_in_train_mode_runs_eagerly_until_it_is_back_in_eval_mode():
+    tower = ToyTower().train()
+    manager = manager_for(tower, budgets=BudgetConfig(budgets=[32]))
+    tokens, lengths = make_batch(random.Random(6), [4, 4])
+    with torch.no_grad():
+        run(manager, tokens, lengths)
+        assert (manager.stats.hits, manager.stats.eager_training) == (0, 1)
+        tower.eval()
+        run(manager, tokens, lengths)
+    assert (manager.stats.hits, manager.stats.eager_training) == (1, 1)
+
+
 @pytest.mark.parametrize("inference_mode", [True, False])
 def test_buffers_leave_inference_mode_and_runs_stay_in_the_callers(inference_mode, monkeypatch):
     manager = manager_for(ToyTower().eval(), budgets=BudgetConfig(budgets=[32]))

@@ -61,6 +61,23 @@ def test_calls_with_grad_enabled_run_eagerly():
     assert served.stats["hits"] == 0 and served.stats["items"] == 2
 
 
+def test_a_tower_in_train_mode_runs_eagerly_and_updates_its_statistics_once():
+    # Batch norm in train mode normalises over the batch and updates running statistics:
+    # a padded graph would see other rows, and a checked replay would update them twice.
+    tower, reference = tiny_resnet().train(), tiny_resnet().train()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.inference_mode():
+        expected = reference(x)
+        with graphed(tower, capture="first_use") as served:
+            output = tower(x)
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    for mine, theirs in zip(tower.modules(), reference.modules(), strict=True):
+        if isinstance(mine, torch.nn.BatchNorm2d):
+            torch.testing.assert_close(mine.running_mean, theirs.running_mean, rtol=0, atol=0)
+            assert mine.num_batches_tracked == theirs.num_batches_tracked == 1
+    assert served.stats["hits"] == 0 and served.stats["eager_training"] == 1
+
+
 @pytest.mark.parametrize("raised", [RuntimeError("boom"), KeyboardInterrupt()])
 def test_the_forward_comes_back_after_an_exception(raised):
     tower = tiny_resnet()
