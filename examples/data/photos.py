@@ -9,8 +9,9 @@ batch-first towers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from examples.data.collate import (
     collate_packed,
     normalize,
 )
+from examples.data.fits import check_batch_first, check_packed
 
 # Natural photos of varied size and aspect; grayscale ones are repeated to RGB.
 _PHOTOS: dict[str, Callable[[], np.ndarray]] = {
@@ -143,6 +145,14 @@ class PhotosDataModule(SplitsDataModule):
         >>> datamodule.setup("predict")
         >>> batch = next(iter(datamodule.predict_dataloader()))
     """
+
+    @staticmethod
+    def check_model_input(data: Mapping[str, Any], model_input: Mapping[str, Any]) -> None:
+        """Refuse a tower the photos cannot feed: packed unless ``fixed_size`` is set."""
+        if data.get("fixed_size") is None:
+            check_packed(data, model_input, "; set data.fixed_size=model.input.image_size")
+        else:
+            check_batch_first(data, model_input, "fixed_size", "; set data.fixed_size=null")
 
     def __init__(
         self,

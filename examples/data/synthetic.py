@@ -8,7 +8,9 @@ packed tower takes each item at its own size.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -22,6 +24,7 @@ from examples.data.collate import (
     collate_batched,
     collate_packed,
 )
+from examples.data.fits import check_batch_first, check_packed
 
 # Seeds of per-item generators are seed * _SEED_STRIDE + index, so items of
 # neighbouring seeds never share pixels.
@@ -191,6 +194,11 @@ class SyntheticDataModule(SplitsDataModule):
         ['grid_thw', 'pixel_patches', 'targets']
     """
 
+    @staticmethod
+    def check_model_input(data: Mapping[str, Any], model_input: Mapping[str, Any]) -> None:
+        """Refuse a tower these packed batches cannot feed (see :mod:`examples.data.fits`)."""
+        check_packed(data, model_input, "; use data=fake or data=photos")
+
     def __init__(
         self,
         num_items: int = 64,
@@ -247,6 +255,11 @@ class FakeDataModule(SplitsDataModule):
         seed: offset of FakeData's per-image seeds.
         num_workers: DataLoader workers.
     """
+
+    @staticmethod
+    def check_model_input(data: Mapping[str, Any], model_input: Mapping[str, Any]) -> None:
+        """Refuse a tower these fixed-size images cannot feed (see :mod:`examples.data.fits`)."""
+        check_batch_first(data, model_input, "image_size", "; use data=photos or data=synthetic")
 
     def __init__(
         self,

@@ -1,7 +1,9 @@
 """What the Hydra apps check before any work: every value, and model against data.
 
-:func:`check_config` runs on the composed config before anything is built; :func:`check_tower`
-on the built tower, before the Trainer (its sizes, and the graph plan by building a manager).
+:func:`check_config` runs on the composed config before anything is built, and asks the data
+module's class, through its ``check_model_input(data, model_input)`` if it has one, whether it
+can feed the tower ``model.input`` describes; :func:`check_tower` checks the built tower, before
+the Trainer (its sizes against ``model.input``, and the graph plan by building a manager).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -20,30 +22,12 @@ from lightning_cg.callback.checks import resolve_module
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
 from lightning_cg.engine.manager import EncoderGraphManager
 
-PACKED = "packed"
-BATCH_FIRST = "batch-first"
-#: The conf/data options, by the ``_target_`` of their data module. PhotosDataModule
-#: serves batch-first images when ``fixed_size`` is set, packed batches otherwise.
-DATA_OPTIONS = {
-    "examples.data.synthetic.FakeDataModule": "fake",
-    "examples.data.photos.PhotosDataModule": "photos",
-    "examples.data.synthetic.SyntheticDataModule": "synthetic",
-}
-#: The batch kinds each conf/data option can serve.
-DATA_KINDS = {"fake": (BATCH_FIRST,), "photos": (PACKED, BATCH_FIRST), "synthetic": (PACKED,)}
-#: Sizes packed data must share with the tower: data key -> (model.input key, default).
-PACKED_SIZES = {
-    "patch_size": ("patch_size", None),
-    "merge_size": ("merge_size", None),
-    "temporal_patch_size": ("temporal_patch_size", 1),
-}
-#: Sizes batch-first data must share with the tower (fake's and photos' image side).
-BATCH_FIRST_SIZES = {"image_size": ("image_size", None), "fixed_size": ("image_size", None)}
-#: The tower's config attributes behind the packed sizes (PackedViTConfig, the Qwen configs).
+#: The tower's config attributes behind model.input's packed sizes (PackedViTConfig, the
+#: Qwen configs): model.input key -> (config attribute, model.input's default).
 TOWER_SIZES = {
-    "patch_size": "patch_size",
-    "merge_size": "spatial_merge_size",
-    "temporal_patch_size": "temporal_patch_size",
+    "patch_size": ("patch_size", None),
+    "merge_size": ("spatial_merge_size", None),
+    "temporal_patch_size": ("temporal_patch_size", 1),
 }
 
 
@@ -85,8 +69,7 @@ def check_config(cfg: DictConfig, stage: str) -> CUDAGraphCallback:
             f"app serves: add {served!r}, or leave the callback out of this run"
         )
     if "input" in cfg.model:  # else a model of the user's own: nothing to compare
-        _check_batch_kind(cfg)
-        _check_shared_sizes(cfg)
+        _check_data(cfg)
     return callback
 
 
@@ -96,7 +79,7 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
         tower = resolve_module(model, callback.module)
     except ValueError as error:
         raise ConfigError(f"cudagraph.module={callback.module!r}: {error}") from None
-    if "input" in cfg.model and _tower_kind(cfg) == PACKED:
+    if "input" in cfg.model and cfg.model.input.get("image_size") is None:
         _check_tower_sizes(cfg, getattr(tower, "config", None))
     elif "input" in cfg.model:
         side, wanted = fixed_image_side(tower), cfg.model.input.image_size
@@ -117,60 +100,42 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     return tower
 
 
-def _tower_kind(cfg: DictConfig) -> str:
-    return BATCH_FIRST if cfg.model.input.get("image_size") is not None else PACKED
-
-
-def _check_batch_kind(cfg: DictConfig) -> None:
-    option = DATA_OPTIONS.get(cfg.data.get("_target_"))
-    if option is None:
-        return  # a data module of the user's own: nothing to compare
-    # Photos are packed unless data.fixed_size is set; every other option serves one kind.
-    fixed = option == "photos" and cfg.data.get("fixed_size") is not None
-    wanted, served = _tower_kind(cfg), BATCH_FIRST if fixed else DATA_KINDS[option][0]
-    if wanted == served:
+def _check_data(cfg: DictConfig) -> None:
+    """Ask the data module's class whether it can feed ``model.input`` (its
+    ``check_model_input``, if it has one: the examples' data modules do)."""
+    try:
+        data_class = get_class(cfg.data.get("_target_"))
+    except Exception:  # no class to ask: instantiating the data reports what is wrong
         return
-    takes = {
-        PACKED: "packed batches (pixel_patches, grid_thw; model.input.image_size is null)",
-        BATCH_FIRST: f"batch-first images of side model.input.image_size="
-        f"{cfg.model.input.get('image_size')}",
-    }
-    serves = {PACKED: "packed batches", BATCH_FIRST: "batch-first images"}
-    photos = {PACKED: "data.fixed_size=null", BATCH_FIRST: "data.fixed_size=model.input.image_size"}
-    fits = [name for name, kinds in DATA_KINDS.items() if wanted in kinds]
-    if HydraConfig.initialized():
-        option = HydraConfig.get().runtime.choices.get("data", option)
-    raise ConfigError(
-        f"model={_model_name(cfg)} takes {takes[wanted]}, but data={option} "
-        f"serves {serves[served]}; data options that fit: {', '.join(fits)} "
-        f"(photos with {photos[wanted]})"
-    )
-
-
-def _check_shared_sizes(cfg: DictConfig) -> None:
-    data, model_input = cfg.data, cfg.model.input
-    sizes = PACKED_SIZES if _tower_kind(cfg) == PACKED else BATCH_FIRST_SIZES
-    for data_key, (input_key, default) in sizes.items():
-        expected = model_input.get(input_key, default)
-        if data_key in data and expected is not None and data[data_key] != expected:
-            raise ConfigError(
-                f"data.{data_key}={data[data_key]} disagrees with the tower of "
-                f"model={_model_name(cfg)}: model.input.{input_key}={expected}; "
-                f"set data.{data_key}={expected} (its default follows the model)"
-            )
+    check = getattr(data_class, "check_model_input", None)
+    if check is None:
+        return
+    try:
+        check(cfg.data, cfg.model.input)
+    except ValueError as error:
+        raise ConfigError(
+            f"data={_choice(cfg, 'data')} cannot feed model={_model_name(cfg)}: {error}"
+        ) from None
 
 
 def _check_tower_sizes(cfg: DictConfig, tower_config: Any) -> None:
-    # model.input may be overridden apart from the tower's own config.
-    for data_key, tower_key in TOWER_SIZES.items():
+    """model.input's packed sizes against the built tower's config (overridable apart)."""
+    for input_key, (tower_key, default) in TOWER_SIZES.items():
         tower_value = getattr(tower_config, tower_key, None)
-        if isinstance(tower_value, int) and cfg.data.get(data_key, tower_value) != tower_value:
+        declared = cfg.model.input.get(input_key, default)
+        if isinstance(tower_value, int) and declared != tower_value:
             raise ConfigError(
-                f"data.{data_key}={cfg.data[data_key]} disagrees with the tower of "
+                f"model.input.{input_key}={declared} disagrees with the tower of "
                 f"model={_model_name(cfg)}: its config has {tower_key}={tower_value}; set "
-                f"data.{data_key}={tower_value} and model.input.{PACKED_SIZES[data_key][0]}="
-                f"{tower_value}"
+                f"model.input.{input_key}={tower_value} (the data follows it)"
             )
+
+
+def _choice(cfg: DictConfig, group: str) -> str:
+    """The config group's option (``data=photos``), else its ``_target_``'s class name."""
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.choices.get(group, "?")
+    return str(cfg[group].get("_target_", "?")).rsplit(".", 1)[-1]
 
 
 def _model_name(cfg: DictConfig) -> str:

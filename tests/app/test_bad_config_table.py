@@ -17,6 +17,7 @@ import time
 
 import pytest
 from hydra.errors import ConfigCompositionException, HydraException
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 from test_app import CONF, ROOT, TINY_TOWER, compose_config
 
@@ -24,7 +25,6 @@ import lightning_cg.app.runner
 from bench.settings import resolve_settings
 from examples.models.lit import build_tower
 from lightning_cg.adapters.packed import PackedEncoderAdapter
-from lightning_cg.app.preflight import DATA_OPTIONS
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.manager import EncoderGraphManager
@@ -354,11 +354,11 @@ def test_a_bad_bench_override_is_refused_before_any_workload(overrides, field):
     assert names_field(message(refused.value), field), message(refused.value)
 
 
-def test_the_data_table_names_every_data_option():
-    """The batch kinds of conf/data are known for every option, so none is left unchecked."""
-    assert sorted(DATA_OPTIONS.values()) == sorted(
-        path.stem for path in (CONF / "data").glob("*.yaml")
-    )
+def test_every_data_option_checks_the_tower_it_feeds():
+    """The apps ask each conf/data option's class whether it fits the model: none is unchecked."""
+    for path in (CONF / "data").glob("*.yaml"):
+        data_class = get_class(OmegaConf.load(path)["_target_"])
+        assert callable(getattr(data_class, "check_model_input", None)), path.name
 
 
 def test_a_budget_that_fits_and_matching_data_pass_the_checks(monkeypatch):
