@@ -103,9 +103,12 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
 def _check_data(cfg: DictConfig) -> None:
     """Ask the data module's class whether it can feed ``model.input`` (its
     ``check_model_input``, if it has one: the examples' data modules do)."""
+    target = cfg.data.get("_target_")
+    if not isinstance(target, str):
+        return  # no class to ask: instantiating the data reports what is wrong
     try:
-        data_class = get_class(cfg.data.get("_target_"))
-    except Exception:  # no class to ask: instantiating the data reports what is wrong
+        data_class = get_class(target)
+    except (ImportError, ValueError):  # the same: instantiate names the target's fault
         return
     check = getattr(data_class, "check_model_input", None)
     if check is None:
