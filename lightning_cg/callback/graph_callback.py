@@ -292,7 +292,8 @@ class CUDAGraphCallback(Callback):
             self._binding = TensorBinding(self._tower)
             return
         outcome = self._binding.rebind(self._tower)
-        report_rebinding(outcome)
+        if self.manager.is_captured():  # without graphs, new storage is nothing to tell
+            report_rebinding(outcome)
         if outcome == CHANGED:
             self.manager.clear()
             self._binding = TensorBinding(self._tower)

@@ -122,6 +122,19 @@ def test_graphs_outlive_runs_and_new_weights_are_served_without_recapture():
     assert callback.last_stats["graphs_captured"] == 0 and callback.last_stats["hits"] > 0
 
 
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_new_storage_is_reported_only_while_graphs_read_the_old(mode, caplog):
+    callback = CUDAGraphCallback(mode=mode, budgets=BUDGETS, capture="first_use")
+    net = model()
+    trainer(callback).predict(net, datamodule())
+    # Weights in new storage, as a checkpoint load with assign=True.
+    net.vision_tower.load_state_dict(model().vision_tower.state_dict(), assign=True)
+    with caplog.at_level("INFO"):
+        trainer(callback).predict(net, datamodule())
+    told = "came back in new storage" in caplog.text
+    assert told == (mode == "full")
+
+
 def test_a_dtype_change_recaptures():
     callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
     net = model()
