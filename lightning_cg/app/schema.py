@@ -22,8 +22,6 @@ from lightning_cg.engine.config import BudgetConfig, GraphConfig
 
 #: The name the apps' YAML files list first in their defaults.
 APP_SCHEMA = "app_schema"
-#: GraphConfig fields the callback sets itself.
-CALLBACK_SET = ("capture_errors",)
 
 
 def _node_type(annotation: Any) -> Any:
@@ -45,7 +43,7 @@ def _node_type(annotation: Any) -> Any:
     return annotation
 
 
-def _schema_fields(config_class: type, skip: Sequence[str] = ()) -> list[tuple]:
+def _schema_fields(config_class: type) -> list[tuple]:
     """``(name, type, field)`` of each field of a config class, for ``make_dataclass``."""
     hints = typing.get_type_hints(config_class)
     fields = []
@@ -59,8 +57,7 @@ def _schema_fields(config_class: type, skip: Sequence[str] = ()) -> list[tuple]:
             node_type, node = node_type | None, field(default=None)
         else:
             node = field(default=default.value if isinstance(default, enum.Enum) else default)
-        if config_field.name not in skip:
-            fields.append((config_field.name, node_type, node))
+        fields.append((config_field.name, node_type, node))
     return fields
 
 
@@ -89,7 +86,7 @@ CUDAGraphSchema = _schema(
         ("adapter", Any, field(default=None)),
         ("encoder_data_parallel", Any, field(default=False)),
         ("keep_graphs", Any, field(default=True)),
-        *_schema_fields(GraphConfig, skip=CALLBACK_SET),
+        *_schema_fields(GraphConfig),
     ],
     "``cudagraph``: the keyword arguments of :class:`~lightning_cg.CUDAGraphCallback`.",
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,7 +11,6 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from lightning_cg.adapters import ADAPTERS, adapter_name_by_type, forward_parameters
-from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder
 
 STAGES = ("validate", "test", "predict")
@@ -61,32 +59,6 @@ def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adap
             f"adapter must be one of {', '.join(ADAPTERS)}, a GraphableEncoder, a callable "
             f"that builds one from the tower, or None; got adapter={_short_repr(adapter)}"
         )
-
-
-def graph_config(config: Any, options: Mapping[str, Any]) -> GraphConfig:
-    """The callback's graph options: ``config`` or the keyword ``options``, not both.
-
-    ``capture_errors`` is always ``eager``: a capture that fails mid-run turns the rank eager.
-    """
-    if "capture_errors" in options:
-        raise ValueError(
-            "capture_errors is not a callback option: a capture that fails mid-run "
-            "always turns the rank eager"
-        )
-    if config is None:
-        return GraphConfig.from_options(capture_errors="eager", **options)
-    if not isinstance(config, GraphConfig):
-        raise ValueError(f"config must be a GraphConfig or None; got config={config!r}")
-    if options:
-        raise ValueError(
-            f"config holds every graph option; pass {sorted(options)} inside it, not beside it"
-        )
-    if config.capture_errors == "raise":
-        raise ValueError(
-            "config.capture_errors='raise' is not a callback option: a capture that fails "
-            "mid-run always turns the rank eager; leave it None"
-        )
-    return dataclasses.replace(config, capture_errors="eager")
 
 
 def check_strategy(trainer: pl.Trainer) -> None:

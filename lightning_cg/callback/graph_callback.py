@@ -29,7 +29,6 @@ from lightning_cg.callback.checks import (
     check_sampler_setting,
     check_strategy,
     find_tower,
-    graph_config,
     is_compiled,
     resolve_module,
 )
@@ -99,7 +98,7 @@ class CUDAGraphCallback(Callback):
         named = {"mode": mode, "budgets": budgets, "capture": capture, "compile": compile}
         options = {name: value for name, value in named.items() if value is not None} | options
         #: The graph options, checked once, shared with the manager.
-        self.config = graph_config(config, options)
+        self.config = GraphConfig.from_config_or_options(config, options)
         self.mode = self.config.mode
         self.stages = tuple(stages)
         self.keep_graphs = keep_graphs

@@ -2,7 +2,7 @@
 
 Out of memory drops the failing budget and larger ones and retries; an uncapturable
 tower turns its path eager; an unsplittable one falls back by ``piecewise_fallback``;
-any other error raises, or with ``capture_errors="eager"`` turns every path eager.
+any other error turns every path eager (an eager run of the tower still raises it).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class GraphCapturer:
         self.stats = stats
         self.progress = progress
         self.padding_rules = encoder.graph_config().padding_rules
-        #: The capture error that turned every path eager (``capture_errors="eager"``).
+        #: The capture error of unknown cause that turned every path eager.
         self.capture_error: str | None = None
 
     def capture(self, keys: Sequence[GraphKey]) -> float:
@@ -165,8 +165,6 @@ class GraphCapturer:
                 ):
                     raise  # piecewise_fallback decides
                 if fault is None:
-                    if self.config.capture_errors != "eager":
-                        raise
                     fault = capture_failed(error)
                 self.cache.remove(captured)
                 return key, fault
@@ -281,7 +279,7 @@ class GraphCapturer:
         self.cache.drop(list(paths))
         _warn(
             f"EncoderGraphManager: capturing graphs failed: {fault.error}; every path runs "
-            "eagerly from now on (capture_errors='eager')."
+            "eagerly from now on."
         )
 
     def _warn_out_of_memory(self, path: str, budgets: list[int]) -> None:

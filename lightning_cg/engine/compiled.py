@@ -2,7 +2,8 @@
 
 Inductor's fused kernels make a graph replay fewer kernels. The default compile mode:
 the manager does the graphing, so inductor's own cudagraphs stay off. A failed compile
-raises; a compiled graph whose first replay differs from eager gives compiling up.
+turns every path eager; a compiled graph whose first replay differs from eager gives
+compiling up.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ from lightning_cg.engine.piecewise import (
     check_splitting_ops,
 )
 
-#: What a capture error without a known fallback does (``capture_errors``).
-CAPTURE_ERRORS = ("raise", "eager")
 #: When a key is captured (``capture``; see :class:`GraphConfig`).
 CAPTURE_POLICIES = ("paid_back", "first_use", "upfront")
 
@@ -160,8 +158,6 @@ class GraphConfig:
         verify: compare every graph's first replay with eager; raise on a mismatch.
         piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
         compile: capture a ``torch.compile``'d graph forward (``full``, ``full_uniform_only``).
-        capture_errors: ``raise`` an error without a known fallback, or turn every path
-            ``eager``; None: ``raise``, but ``eager`` in the callback, whose ranks must agree.
         capture: ``paid_back`` once a key's capture should pay for itself, ``first_use`` when
             a batch first needs it, ``upfront`` a path's whole ladder at its first call.
         cast_weights_per_run: under autocast, FULL graphs read low-precision weight copies
@@ -178,7 +174,6 @@ class GraphConfig:
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     piecewise_fallback: str = "error"
     compile: bool = False
-    capture_errors: str | None = None
     capture: str = "paid_back"
     cast_weights_per_run: bool = True
 
@@ -200,8 +195,6 @@ class GraphConfig:
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)
         check_compile(self.compile, self.mode)
-        if self.capture_errors is not None:
-            _check_choice("capture_errors", self.capture_errors, CAPTURE_ERRORS)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:
             self._check_compile_only_options()
@@ -244,7 +237,9 @@ class GraphConfig:
         if config is not None and not isinstance(config, GraphConfig):
             raise ValueError(f"config must be a GraphConfig or None; got config={config!r}")
         if config is not None and options:
-            raise ValueError(f"pass config or options, not both; got options {sorted(options)}")
+            raise ValueError(
+                f"config holds every graph option; pass {sorted(options)} inside it, not beside it"
+            )
         return config if config is not None else cls.from_options(**options)
 
     @classmethod

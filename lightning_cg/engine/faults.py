@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Kinds of capture fault; CAPTURE_FAILED is recovered from only with capture_errors="eager".
+#: Kinds of capture fault; CAPTURE_FAILED (an unknown cause) turns every path eager.
 OUT_OF_MEMORY = "out_of_memory"
 UNCAPTURABLE = "uncapturable"
 CAPTURE_FAILED = "capture_failed"

@@ -98,7 +98,7 @@ class EncoderGraphManager:
 
     @property
     def capture_error(self) -> str | None:
-        """The capture error that turned every path eager (``capture_errors="eager"``)."""
+        """The capture error of unknown cause that turned every path eager, or None."""
         return self.capturer.capture_error
 
     @property

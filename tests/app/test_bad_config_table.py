@@ -221,7 +221,6 @@ PYTHON_ROWS = [
     ("callback paths.local='pow2'", callback(paths={"local": "pow2"}), "paths.local"),
     ("callback unknown option", lambda: CUDAGraphCallback(verfy=True), "verfy"),
     ("config verify=1", graph_config(verify=1), "verify"),
-    ("config capture_errors='ignore'", graph_config(capture_errors="ignore"), "capture_errors"),
     ("config unknown option", graph_config(bogus=1), "bogus"),
     ("config compile with piecewise", graph_config(compile=True, mode="piecewise"), "compile"),
     (

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_cg.adapters import adapter_for
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
-from lightning_cg.app.schema import CALLBACK_SET, BudgetsSchema, CUDAGraphSchema
+from lightning_cg.app.schema import BudgetsSchema, CUDAGraphSchema
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 
@@ -46,7 +46,7 @@ def test_the_callback_takes_few_named_arguments():
 
 
 def test_the_schema_is_the_callbacks_own_arguments_and_every_graph_option():
-    graph_fields = [f.name for f in dataclasses.fields(GraphConfig) if f.name not in CALLBACK_SET]
+    graph_fields = [f.name for f in dataclasses.fields(GraphConfig)]
     schema_fields = [f.name for f in dataclasses.fields(CUDAGraphSchema)]
     assert schema_fields == ["_target_", "_convert_", *CALLBACK_OWN, *graph_fields]
     assert [f.name for f in dataclasses.fields(BudgetsSchema)] == [
@@ -57,8 +57,6 @@ def test_the_schema_is_the_callbacks_own_arguments_and_every_graph_option():
 def test_the_schema_defaults_are_the_configs():
     defaults = schema_defaults(CUDAGraphSchema)
     expected = config_defaults(GraphConfig())
-    for name in CALLBACK_SET:
-        expected.pop(name)
     expected["splitting_ops"] = None  # the callback's None: the default ops
     assert {name: defaults[name] for name in expected} == expected
     callback = inspect.signature(CUDAGraphCallback).parameters
@@ -79,28 +77,21 @@ def test_the_yaml_sets_only_declared_options_at_their_defaults():
     assert budgets == {key: schema_defaults(BudgetsSchema)[key] for key in budgets}
 
 
-@pytest.mark.parametrize(
-    "name", [f.name for f in dataclasses.fields(GraphConfig) if f.name not in CALLBACK_SET]
-)
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(GraphConfig)])
 def test_the_callback_takes_every_graph_option_by_keyword(name):
     value = getattr(GraphConfig(), name)
     callback = CUDAGraphCallback(**{name: value})
-    assert callback.config == GraphConfig(capture_errors="eager")
+    assert callback.config == GraphConfig()
 
 
 def test_a_config_carries_every_graph_option_and_excludes_the_keywords():
     config = GraphConfig(mode="none", verify=True, budgets=BudgetConfig(max_budget=64))
     callback = CUDAGraphCallback(config=config)
-    assert callback.config == dataclasses.replace(config, capture_errors="eager")
+    assert callback.config is config
     with pytest.raises(ValueError, match=r"config holds every graph option; pass \['verify'\]"):
         CUDAGraphCallback(config=config, verify=False)
     with pytest.raises(ValueError, match="config must be a GraphConfig"):
         CUDAGraphCallback(config={"mode": "none"})
-    with pytest.raises(ValueError, match="capture_errors is not a callback option"):
-        CUDAGraphCallback(capture_errors="raise")
-    # Not dropped silently when it comes inside a config either.
-    with pytest.raises(ValueError, match="config.capture_errors='raise' is not a callback option"):
-        CUDAGraphCallback(config=GraphConfig(capture_errors="raise"))
 
 
 def test_an_unknown_option_names_the_allowed_ones():

@@ -276,21 +276,10 @@ def test_an_uncapturable_tower_runs_eagerly_with_the_cause_and_the_fix():
     assert not manager.is_captured() and manager.stats.hits == 0
 
 
-@pytest.mark.parametrize("options", [{}, {"capture_errors": "raise"}])
-def test_an_unknown_capture_error_is_raised(options):
-    tower = ToyTower().eval()
-    encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError("capture exploded"))
-    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use", **options)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="capture exploded"):
-        run(manager, *make_batch(random.Random(0), [5]))
-
-
-def test_capture_errors_eager_runs_every_path_eagerly_from_then_on():
+def test_an_unknown_capture_error_runs_every_path_eagerly_from_then_on():
     tower = ToyTower(global_tokens=4).eval()
     encoder = FailingEncoder(tower, lambda spec: True, lambda: RuntimeError("capture exploded"))
-    manager = EncoderGraphManager(
-        encoder, budgets=BUDGETS, capture_errors="eager", capture="first_use"
-    )
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_and_compare(manager, tower, [[5, 7], [3, 3, 3]])  # the call that failed too
@@ -300,11 +289,6 @@ def test_capture_errors_eager_runs_every_path_eagerly_from_then_on():
     assert all(plan.eager_reason for plan in manager.paths.values())
     assert encoder.captured == [("local", 16)]  # no attempt after the first failure
     assert not manager.is_captured() and manager.stats.hits == 0
-
-
-def test_capture_errors_must_be_known():
-    with pytest.raises(ValueError, match="capture_errors must be one of raise, eager"):
-        EncoderGraphManager(ToyEncoder(ToyTower()), capture_errors="ignore", capture="first_use")
 
 
 def test_the_callback_runs_eagerly_after_an_unknown_capture_error(monkeypatch):
@@ -455,17 +439,14 @@ def test_cuda_out_of_memory_inside_a_capture_keeps_the_smaller_budgets():
 CUBLAS_ALLOC_FAILED = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 
 
-@pytest.mark.parametrize("capture_errors", ["raise", "eager"])
-def test_a_cublas_allocation_failure_costs_only_the_budgets_that_failed(capture_errors):
-    # cuBLAS reports running out of memory in its own words; the callback
-    # (capture_errors="eager") must not turn every path eager for it.
+def test_a_cublas_allocation_failure_costs_only_the_budgets_that_failed():
+    # cuBLAS reports running out of memory in its own words: not an unknown error that
+    # turns every path eager.
     tower = ToyTower().eval()
     encoder = FailingEncoder(
         tower, lambda spec: spec.token_budget == 32, lambda: RuntimeError(CUBLAS_ALLOC_FAILED)
     )
-    manager = EncoderGraphManager(
-        encoder, budgets=BUDGETS, capture_errors=capture_errors, capture="first_use"
-    )
+    manager = EncoderGraphManager(encoder, budgets=BUDGETS, capture="first_use")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_and_compare(manager, tower, [[5, 7], [30], [9]])
