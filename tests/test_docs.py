@@ -93,5 +93,7 @@ def test_the_readme_options_table_names_every_option():
 
 
 def test_an_option_left_out_of_the_readme_is_caught():
-    readme = "## Options\n| `budgets.max_budget` | 1 | `ratio` with `pow2` |\n## Next\n`verify`"
+    readme = (
+        "## Options\n| `budgets.max_budget` | 1 | `ratio` with `pow2` |\n## Next\n`keep_graphs`"
+    )
     assert documented_names(readme) == {"budgets", "max_budget", "ratio", "pow2"}

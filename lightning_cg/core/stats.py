@@ -45,7 +45,7 @@ class GraphStats:
     # frames than a graph holds.
     eager_no_graph_for_shape: int = 0
     eager_measured_slower: int = 0  # the key's graph was measured slower than eager
-    eager_rows_interact: int = 0  # the key's padded graph differed from eager: rows interact
+    eager_replay_differs: int = 0  # the key's graph gave other rows than eager on the same items
     eager_compiled_mismatch: int = 0  # a compiled graph differed from eager: compiling ended
     eager_grad_enabled: int = 0  # the call needed gradients, which graphs do not hold
     eager_training: int = 0  # the tower was in train mode (dropout, batch statistics)

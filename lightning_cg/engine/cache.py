@@ -62,11 +62,9 @@ class CapturedGraph:
     #: A FULL graph's static output, which each replay of ``cuda_graph`` overwrites.
     output: torch.Tensor | None = None
     pieces: PiecewiseGraph | None = None
-    #: A replay matched eager (``verify``, or the first replay of a compiled graph).
-    verified: bool = False
     #: The kinds of padding (``tokens``, ``items``) of replays that matched eager on their
-    #: real rows: padding of those kinds leaves the real rows alone.
-    checked_padding: frozenset[str] = frozenset()
+    #: real rows: padding of those kinds leaves the real rows alone. None: no replay checked.
+    checked_padding: frozenset[str] | None = None
     #: How each replay rewrites the buffers (and its pinned staging, on CUDA).
     static_inputs: StaticInputs = field(init=False, repr=False, compare=False)
 

@@ -24,11 +24,10 @@ from lightning_cg.engine.outputs import CallOutputs
 from lightning_cg.engine.plan import PlanRef
 from lightning_cg.engine.replay import (
     autocast_key,
-    check_replay,
+    check_tolerance,
     replay,
     replay_error,
     row_count_message,
-    verify_tolerance,
 )
 from lightning_cg.engine.routing import Route, Router, SubBatch
 
@@ -47,7 +46,6 @@ class CallRunner:
         stats: GraphStats,
     ) -> None:
         self.encoder = encoder
-        self.config = config
         self.plans = plans
         self.path_names = tuple(plans.plan.paths)
         self.policy = policy
@@ -173,15 +171,8 @@ class CallRunner:
             rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total, items)
         host_seconds = time.perf_counter() - started
         padded = padding(graph, total, items)
-        if self.config.verify and not graph.verified:
-            check_replay(graph, path, rows, self._eager(path, sub_batch))
-            self.stats.checked_replays += 1
-            self.stats.checked_tokens += total
-            # The same comparison checks the padding: rows that interact fail it.
-            graph.checked_padding |= padded
-        compiled_unchecked = self.on_compiled_mismatch is not None and not graph.verified
         served = rows
-        if compiled_unchecked or not padded <= graph.checked_padding:
+        if graph.checked_padding is None or not padded <= graph.checked_padding:
             served = self._checked_against_eager(route, path, sub_batch, rows, padded)
         if served is rows:
             # Counted once served: a replay that raised or lost its check is no hit.
@@ -201,11 +192,12 @@ class CallRunner:
         rows: torch.Tensor,
         padded: frozenset[str],
     ) -> torch.Tensor:
-        """A graph's first replay with a kind of ``padded`` not yet checked (and a compiled
-        graph's first) against eager on the same rows; on a mismatch the eager rows serve.
+        """A graph's first replay, and its first with a kind of ``padded`` not yet checked,
+        against eager on the same rows; on a mismatch the eager rows serve.
 
-        A tower whose rows interact changes its real rows when padded: its key runs
-        eagerly from then on. A compiled graph that differs drops compiling instead.
+        A tower whose rows interact changes its real rows when padded, one that reads a
+        value fixed at capture changes them in any replay: its key runs eagerly from then
+        on. A compiled graph that differs drops compiling instead.
         """
         graph = route.graph
         eager = self._eager(path, sub_batch)
@@ -214,9 +206,8 @@ class CallRunner:
         error = replay_error(rows, eager)
         if error is None:
             return rows  # cannot be judged on this batch: checked at the next replay
-        if error <= verify_tolerance(eager.dtype):
-            graph.verified = True
-            graph.checked_padding |= padded
+        if error <= check_tolerance(eager.dtype):
+            graph.checked_padding = padded | (graph.checked_padding or frozenset())
             return rows
         spec = graph.spec
         where = f"path {path!r}, budget {spec.token_budget}"
@@ -227,18 +218,11 @@ class CallRunner:
             )
         else:
             self.router.serve_eagerly(route.key)
-            self.stats.count_eager("rows_interact")
+            self.stats.count_eager("replay_differs")
             tower = type(getattr(self.encoder, "tower", self.encoder)).__name__
-            warnings.warn(
-                f"{tower}: the graph of {where} gave {route.tokens} real tokens of "
-                f"{len(sub_batch.indices)} items an output that differs from eager on the same "
-                f"items by relative error {error:.3e} once padded to the budget. The tower's "
-                "rows likely interact (a normalisation over the batch, a scale by the batch "
-                "size, attention across items): graph replay needs outputs of each item that "
-                "do not depend on the other rows. Or its graph forward reads a value fixed at "
-                "capture (a Python scalar, a host tensor). This key runs eagerly from now on.",
-                stacklevel=2,
-            )
+            what = f"{route.tokens} real tokens of {len(sub_batch.indices)} items"
+            message = differs_message(f"{tower}: the graph of {where}", what, error, padded)
+            warnings.warn(message, stacklevel=2)
         return eager
 
     def _eager(self, path: str, sub_batch: SubBatch) -> torch.Tensor:
@@ -248,6 +232,24 @@ class CallRunner:
             items = len(sub_batch.indices)
             raise RuntimeError(row_count_message(self.encoder, path, rows, expected, items))
         return rows
+
+
+def differs_message(graph: str, what: str, error: float, padded: frozenset[str]) -> str:
+    """Why ``graph`` gave ``what`` other rows than eager, and that its key runs eagerly."""
+    fixed = "reads a value fixed at capture (a Python scalar, a host tensor)"
+    if padded:
+        why = (
+            " once padded to the budget. The tower's rows likely interact (a normalisation "
+            "over the batch, a scale by the batch size, attention across items): graph replay "
+            "needs outputs of each item that do not depend on the other rows. Or its graph "
+            f"forward {fixed}"
+        )
+    else:
+        why = f". Its graph forward likely {fixed}"
+    return (
+        f"{graph} gave {what} an output that differs from eager on the same items by "
+        f"relative error {error:.3e}{why}. This key runs eagerly from now on."
+    )
 
 
 def padding(graph: CapturedGraph, tokens: int, items: int) -> frozenset[str]:

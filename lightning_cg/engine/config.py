@@ -155,7 +155,6 @@ class GraphConfig:
         max_items_per_batch: most items in one sub-batch; None derives it from the budgets.
         max_frames_per_batch: attention sequences a graph holds; None is
             ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
-        verify: compare every graph's first replay with eager; raise on a mismatch.
         piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
         compile: capture a ``torch.compile``'d graph forward (``full``, ``full_uniform_only``).
         capture: ``paid_back`` once a key's capture should pay for itself, ``first_use`` when
@@ -170,7 +169,6 @@ class GraphConfig:
     paths: Mapping[str, BudgetConfig] = field(default_factory=dict)
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
-    verify: bool = False
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     piecewise_fallback: str = "error"
     compile: bool = False
@@ -189,9 +187,11 @@ class GraphConfig:
         set_field(self, "paths", dict(self.paths))
         for name in ("max_items_per_batch", "max_frames_per_batch"):
             _check_positive_int(name, getattr(self, name), none_ok=True)
-        for name in ("verify", "cast_weights_per_run"):
-            if not isinstance(value := getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false; got {name}={value!r}")
+        if not isinstance(self.cast_weights_per_run, bool):
+            raise ValueError(
+                "cast_weights_per_run must be true or false; "
+                f"got cast_weights_per_run={self.cast_weights_per_run!r}"
+            )
         set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
         check_piecewise_fallback(self.piecewise_fallback)
         check_compile(self.compile, self.mode)

@@ -1,4 +1,4 @@
-"""Replay: fill a graph's static buffers, replay, and check against eager.
+"""Replay: fill a graph's static buffers, replay, and measure a replay against eager.
 
 Every replay rewrites every input buffer, so nothing of an earlier batch leaks in, and
 clones the output's real rows, so nothing returned aliases a graph buffer.
@@ -16,8 +16,8 @@ import torch
 from lightning_cg.engine.cache import CapturedGraph
 from lightning_cg.engine.encoder import GraphableEncoder
 
-#: Largest relative error ||replay - eager|| / ||eager|| that ``verify`` accepts.
-VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+#: Largest relative error ||replay - eager|| / ||eager|| a checked replay may have.
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 #: fp32 tolerance under TF32: the padded batch gets other kernels, about 1e-3 off eager.
 TF32_TOLERANCE = 5e-3
 
@@ -58,30 +58,6 @@ def row_count_message(
     )
 
 
-def check_replay(
-    graph: CapturedGraph, path: str, replayed: torch.Tensor, reference: torch.Tensor
-) -> None:
-    """Raise if ``replayed`` differs from the eager ``reference`` beyond tolerance
-    (or the reference is not finite, so the graph cannot be judged on it)."""
-    where = f"path {path!r}, budget {graph.spec.token_budget}, max_items {graph.spec.max_items}"
-    error = replay_error(replayed, reference)
-    if error is None:
-        raise RuntimeError(
-            f"verify: the eager output on {where} holds NaN or infinity, so the graph "
-            "cannot be compared with it; check the inputs (a NaN or inf in the batch) "
-            "or the tower's weights"
-        )
-    tolerance = verify_tolerance(reference.dtype)
-    if not error <= tolerance:
-        raise RuntimeError(
-            f"graph replay differs from eager on {where}: relative error {error:.3e} > "
-            f"{tolerance:.0e}. The tower reads something at capture time that changes "
-            "between calls (a Python scalar, a host tensor, a data-dependent shape), "
-            "or its rows interact, so padding the batch changed the real rows."
-        )
-    graph.verified = True
-
-
 def replay_error(replayed: torch.Tensor, reference: torch.Tensor) -> float | None:
     """:func:`relative_error` of a replay against ``reference``; None if that is not finite."""
     return relative_error(replayed, reference) if torch.isfinite(reference).all() else None
@@ -95,12 +71,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return difference / denominator if denominator else difference
 
 
-def verify_tolerance(dtype: torch.dtype) -> float:
-    """The relative error ``verify`` accepts for outputs of ``dtype``."""
+def check_tolerance(dtype: torch.dtype) -> float:
+    """The relative error a checked replay may have for outputs of ``dtype``."""
     tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
     if dtype == torch.float32 and tf32 and torch.cuda.is_available():
         return TF32_TOLERANCE
-    return VERIFY_TOLERANCE.get(dtype, VERIFY_TOLERANCE[torch.float32])
+    return CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[torch.float32])
 
 
 def autocast_key() -> tuple:

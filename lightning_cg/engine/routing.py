@@ -119,7 +119,7 @@ class Router:
         """The key that serves ``key``'s sub-batch and its graph, captured now if the policy
         says it pays; else why not ("" for a path a capture fault turned eager)."""
         if key in self._eager_keys:
-            return key, None, "rows_interact"
+            return key, None, "replay_differs"
         graph = self.cache.get(key)
         if graph is not None:
             if self.policy.slower_than_eager(key):

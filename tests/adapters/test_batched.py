@@ -173,7 +173,7 @@ def test_bad_arguments_raise():
 
 def manager_for(tower: nn.Module):
     adapter = BatchedEncoderAdapter(tower, max_batch_size=8)
-    return adapter, EncoderGraphManager(adapter, mode="full", verify=True, capture="first_use")
+    return adapter, EncoderGraphManager(adapter, mode="full", capture="first_use")
 
 
 class ChannelsLastFeatures(nn.Module):

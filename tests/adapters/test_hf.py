@@ -45,7 +45,7 @@ def tiny_tower(kind: str, attention: str = "sdpa") -> nn.Module:
 
 def manager_for(tower: nn.Module, **kwargs) -> EncoderGraphManager:
     return EncoderGraphManager(
-        HFEncoderAdapter(tower), budgets=BUDGETS, verify=True, **kwargs, capture="first_use"
+        HFEncoderAdapter(tower), budgets=BUDGETS, **kwargs, capture="first_use"
     )
 
 

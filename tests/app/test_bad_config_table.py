@@ -37,13 +37,12 @@ REFUSALS = (ValueError, TypeError, HydraException)
 # (app, overrides, field the message names)
 HYDRA_ROWS = [
     # flags take exactly true or false
-    ("predict", ["cudagraph.verify=no"], "verify"),
     ("predict", ["cudagraph.compile=maybe"], "compile"),
     ("predict", ["cudagraph.budgets.compiled_ratio=1"], "compiled_ratio"),
     ("predict", ["cudagraph.keep_graphs=yes"], "keep_graphs"),
     ("predict", ["compare_eager=maybe"], "compare_eager"),
     ("train", ["compare_eager=sometimes"], "compare_eager"),
-    ("validate", ["cudagraph.verify=1"], "verify"),
+    ("validate", ["cudagraph.keep_graphs=1"], "keep_graphs"),
     ("predict", ["cudagraph.cast_weights_per_run=yes"], "cast_weights_per_run"),
     ("predict", ["cudagraph.encoder_data_parallel=2"], "encoder_data_parallel"),
     # the app's stage must be one the callback serves
@@ -142,7 +141,7 @@ BENCH_ROWS = [
     (["seed=1.5"], "seed"),
     (["batch_sizes=[1.5]"], "batch_sizes"),
     (["repeats=true"], "repeats"),
-    (["manager.verify=no"], "verify"),
+    (["manager.cast_weights_per_run=no"], "cast_weights_per_run"),
     (["manager.packing=best"], "packing"),
     (["manager.budgets.ladder=foo"], "ladder"),
     (["manager.budgets.ratio=2.0"], "ratio=2.0 applies only"),
@@ -172,7 +171,11 @@ def manager(**options):
 
 # (id, call, field the message names)
 PYTHON_ROWS = [
-    ("callback verify='no'", callback(verify="no"), "verify"),
+    (
+        "callback cast_weights_per_run='no'",
+        callback(cast_weights_per_run="no"),
+        "cast_weights_per_run",
+    ),
     ("callback compile='maybe'", callback(compile="maybe"), "compile"),
     ("callback keep_graphs='yes'", callback(keep_graphs="yes"), "keep_graphs"),
     (
@@ -220,7 +223,7 @@ PYTHON_ROWS = [
     ("callback paths as a list", callback(paths=[("local", {})]), "paths"),
     ("callback paths.local='pow2'", callback(paths={"local": "pow2"}), "paths.local"),
     ("callback unknown option", lambda: CUDAGraphCallback(verfy=True), "verfy"),
-    ("config verify=1", graph_config(verify=1), "verify"),
+    ("config cast_weights_per_run=1", graph_config(cast_weights_per_run=1), "cast_weights_per_run"),
     ("config unknown option", graph_config(bogus=1), "bogus"),
     ("config compile with piecewise", graph_config(compile=True, mode="piecewise"), "compile"),
     (
@@ -280,11 +283,15 @@ PYTHON_ROWS = [
         manager(paths={"global": {"budgets": [10**9]}}),
         "paths.global.budgets",
     ),
-    ("manager verify='yes'", manager(verify="yes"), "verify"),
+    (
+        "manager cast_weights_per_run='yes'",
+        manager(cast_weights_per_run="yes"),
+        "cast_weights_per_run",
+    ),
     ("manager packing=None", manager(packing=None), "packing"),
     (
         "manager config and options",
-        lambda: EncoderGraphManager(tiny_adapter(), GraphConfig(), verify=True),
+        lambda: EncoderGraphManager(tiny_adapter(), GraphConfig(), mode="none"),
         "config",
     ),
     ("manager encoder=object()", lambda: EncoderGraphManager(object()), "encoder"),
@@ -368,7 +375,7 @@ def test_a_budget_that_fits_and_matching_data_pass_the_checks(monkeypatch):
 
     monkeypatch.setattr(lightning_cg.app.runner, "make_trainer", no_trainer)
     sane = [
-        ["cudagraph.budgets.max_budget=4096", "cudagraph.verify=true", "compare_eager=false"],
+        ["cudagraph.budgets.max_budget=4096", "compare_eager=false"],
         ["model=vit_b_16", "data=fake", "data.image_size=224"],
         ["model=vit_b_16", "data=photos"],
         ["data=synthetic", "data.merge_size=2", "+cudagraph.paths.global.max_budget=1024"],

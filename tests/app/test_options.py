@@ -85,11 +85,13 @@ def test_the_callback_takes_every_graph_option_by_keyword(name):
 
 
 def test_a_config_carries_every_graph_option_and_excludes_the_keywords():
-    config = GraphConfig(mode="none", verify=True, budgets=BudgetConfig(max_budget=64))
+    config = GraphConfig(
+        mode="none", cast_weights_per_run=False, budgets=BudgetConfig(max_budget=64)
+    )
     callback = CUDAGraphCallback(config=config)
     assert callback.config is config
-    with pytest.raises(ValueError, match=r"config holds every graph option; pass \['verify'\]"):
-        CUDAGraphCallback(config=config, verify=False)
+    with pytest.raises(ValueError, match=r"config holds every graph option; pass \['capture'\]"):
+        CUDAGraphCallback(config=config, capture="upfront")
     with pytest.raises(ValueError, match="config must be a GraphConfig"):
         CUDAGraphCallback(config={"mode": "none"})
 

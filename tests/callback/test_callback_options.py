@@ -97,24 +97,19 @@ def test_keep_graphs_decides_whether_the_next_run_captures_again(keep_graphs, mo
     assert first > 0 and (second == first) == keep_graphs
 
 
-@pytest.mark.parametrize("verify", [True, False])
-def test_verify_catches_a_graph_forward_that_differs_from_eager(eager, monkeypatch, verify):
+def test_a_graph_forward_that_differs_from_eager_is_caught(eager, monkeypatch):
     graph_forward = PackedEncoderAdapter.graph_forward
 
     def doubled(self, path, buffers):
         return 2 * graph_forward(self, path, buffers)
 
     monkeypatch.setattr(PackedEncoderAdapter, "graph_forward", doubled)
-    callback = CUDAGraphCallback(budgets=BUDGETS, verify=verify, capture="first_use")
-    if verify:
-        with pytest.raises(RuntimeError, match="graph replay differs from eager"):
-            predictions(callback)
-        return
-    # Without verify, the first padded replay of each graph is checked against eager:
-    # the graph's key runs eagerly from then on, with a warning.
+    callback = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
+    # The first replay of each graph is checked against eager: the graph's key runs
+    # eagerly from then on, with a warning.
     with pytest.warns(UserWarning, match="differs from eager on the same items"):
         predictions(callback)
-    assert callback.last_stats["eager_rows_interact"] > 0
+    assert callback.last_stats["eager_replay_differs"] > 0
 
 
 @pytest.mark.parametrize(
