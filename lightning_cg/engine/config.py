@@ -36,7 +36,6 @@ def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
 _LADDER_OPTIONS = {
     "ratio": ("geometric",),
     "align": ("pow2", "geometric"),
-    "compiled_ratio": ("pow2", "geometric"),
 }
 
 
@@ -49,8 +48,6 @@ class BudgetConfig:
         budgets: an explicit ladder, each budget once, in any order; overrides min/max.
         ladder: ``pow2`` (double from min) or ``geometric`` (multiply by ratio).
         align: geometric budgets are rounded up to a multiple of this.
-        compiled_ratio: with a dynamic-shape compiled forward, a coarser generated ladder
-            becomes ``geometric`` at this ratio (finer budgets cost only captures); None: kept.
     """
 
     min_budget: int | None = None
@@ -59,7 +56,6 @@ class BudgetConfig:
     ladder: str = "pow2"
     ratio: float = 1.25
     align: int = 16
-    compiled_ratio: float | None = 1.05
 
     def __post_init__(self) -> None:
         for name in ("min_budget", "max_budget"):
@@ -84,13 +80,6 @@ class BudgetConfig:
         if not is_finite_number(self.ratio) or not self.ratio > 1:
             raise ValueError(f"ratio must be a finite number > 1; got ratio={self.ratio!r}")
         _check_positive_int("align", self.align)
-        if self.compiled_ratio is not None and not (
-            is_finite_number(self.compiled_ratio) and self.compiled_ratio > 1
-        ):
-            raise ValueError(
-                "compiled_ratio must be a finite number > 1 or None; "
-                f"got compiled_ratio={self.compiled_ratio!r}"
-            )
         self._check_options_apply()
 
     def _check_options_apply(self) -> None:
@@ -213,20 +202,16 @@ class GraphConfig:
                 )
 
     def _check_compile_only_options(self) -> None:
-        """Refuse ``compiled_ratio``, and ``align`` of a pow2 ladder: only compiling reads them."""
+        """Refuse ``align`` of a pow2 ladder: only compiling reads it (its ladder is geometric)."""
         for where, choice in (
             ("budgets", self.budgets),
             *((f"paths.{path}", choice) for path, choice in self.paths.items()),
         ):
-            compiled_only = ["compiled_ratio"]
-            if choice.budgets is None and choice.ladder == "pow2":
-                compiled_only.append("align")
-            for name in compiled_only:
-                if _is_set(choice, name):
-                    raise ValueError(
-                        f"{where}.{name}={getattr(choice, name)!r} is read only by compiled "
-                        "capture here, and compile is False: drop it, or set compile=True"
-                    )
+            if choice.budgets is None and choice.ladder == "pow2" and _is_set(choice, "align"):
+                raise ValueError(
+                    f"{where}.align={choice.align!r} is read only by compiled capture here, "
+                    "and compile is False: drop it, or set compile=True"
+                )
 
     @classmethod
     def from_config_or_options(

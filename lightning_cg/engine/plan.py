@@ -22,6 +22,8 @@ from lightning_cg.engine.encoder import CaptureSpec, EncoderGraphConfig, Graphab
 #: Call plans (and sub-batch keys) a plan remembers before it starts over: mixed
 #: sizes give many shapes, and a long run must not grow them without bound.
 MAX_CALL_PLANS = 4096
+#: Growth of the generated ladders of compiled graphs (see :func:`compiled_choice`).
+COMPILED_RATIO = 1.05
 
 
 @dataclass(frozen=True)
@@ -256,14 +258,14 @@ def resolve_path(
 
 def compiled_choice(choice: BudgetConfig) -> BudgetConfig:
     """The budget choice of graphs from a forward compiled once for every budget: a
-    generated ladder coarser than ``choice.compiled_ratio`` becomes geometric at it
-    (padding then costs fused work on every replay). An explicit ladder stays."""
-    ratio = choice.compiled_ratio
-    if ratio is None or choice.budgets is not None:
+    generated ladder coarser than :data:`COMPILED_RATIO` becomes geometric at it (padding
+    then costs fused work on every replay; finer budgets cost only captures). An
+    explicit ladder stays."""
+    if choice.budgets is not None or (
+        choice.ladder == "geometric" and choice.ratio <= COMPILED_RATIO
+    ):
         return choice
-    if choice.ladder == "geometric" and choice.ratio <= ratio:
-        return choice
-    return dataclasses.replace(choice, ladder="geometric", ratio=ratio)
+    return dataclasses.replace(choice, ladder="geometric", ratio=COMPILED_RATIO)
 
 
 def use_ladders(

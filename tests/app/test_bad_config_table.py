@@ -38,7 +38,6 @@ REFUSALS = (ValueError, TypeError, HydraException)
 HYDRA_ROWS = [
     # flags take exactly true or false
     ("predict", ["cudagraph.compile=maybe"], "compile"),
-    ("predict", ["cudagraph.budgets.compiled_ratio=1"], "compiled_ratio"),
     ("predict", ["cudagraph.keep_graphs=yes"], "keep_graphs"),
     ("predict", ["compare_eager=maybe"], "compare_eager"),
     ("train", ["compare_eager=sometimes"], "compare_eager"),
@@ -185,11 +184,6 @@ PYTHON_ROWS = [
     ),
     ("callback cast_weights_per_run=1", callback(cast_weights_per_run=1), "cast_weights_per_run"),
     ("callback compile=1", callback(compile=1), "compile"),
-    (
-        "callback compiled_ratio='fine'",
-        callback(budgets={"compiled_ratio": "fine"}),
-        "compiled_ratio",
-    ),
     ("callback budgets [64.9, 128.7]", callback(budgets={"budgets": [64.9, 128.7]}), "budgets"),
     ("callback True as a budget", callback(budgets={"budgets": [True]}), "budgets"),
     ("callback max_budget=True", callback(budgets={"max_budget": True}), "max_budget"),
@@ -235,21 +229,11 @@ PYTHON_ROWS = [
     ("BudgetConfig ratio='1.5'", lambda: BudgetConfig(ratio="1.5"), "ratio"),
     ("BudgetConfig ratio=inf", lambda: BudgetConfig(ratio=float("inf")), "ratio"),
     ("BudgetConfig ratio=nan", lambda: BudgetConfig(ratio=float("nan")), "ratio"),
-    (
-        "BudgetConfig compiled_ratio=inf",
-        lambda: BudgetConfig(compiled_ratio=float("inf")),
-        "compiled_ratio",
-    ),
     ("BudgetConfig pow2 ratio", lambda: BudgetConfig(ratio=1.5), "ratio=1.5 applies only"),
     (
         "config pow2 align uncompiled",
         graph_config(budgets={"align": 10**9}),
         "budgets.align=1000000000 is read only by compiled capture",
-    ),
-    (
-        "config compiled_ratio uncompiled",
-        graph_config(paths={"local": {"compiled_ratio": 1.2}}),
-        "paths.local.compiled_ratio=1.2 is read only by compiled capture",
     ),
     (
         "BudgetConfig explicit align",

@@ -146,9 +146,9 @@ def local_budgets(**options) -> list[int]:
 
 @pytest.mark.parametrize(
     "budgets",
-    [{"budgets": [8, 32, 64]}, {"compiled_ratio": None}, {"ladder": "geometric", "ratio": 1.02}],
+    [{"budgets": [8, 32, 64]}, {"ladder": "geometric", "ratio": 1.02}],
 )
-def test_explicit_fine_or_opted_out_ladders_stay_when_compiling(monkeypatch, budgets):
+def test_explicit_or_fine_ladders_stay_when_compiling(monkeypatch, budgets):
     eager_backend(monkeypatch)
     assert local_budgets(budgets=budgets, compile=True) == local_budgets(budgets=budgets)
 

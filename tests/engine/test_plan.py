@@ -1,5 +1,5 @@
 """Plans: immutable, replaced as a whole when they change, each remembering its call
-plans; the ladder compiled graphs use (``compiled_ratio``)."""
+plans; the ladder compiled graphs use (``COMPILED_RATIO``)."""
 
 import dataclasses
 import warnings
@@ -76,11 +76,11 @@ def test_a_fault_replaces_the_plan_and_the_next_call_is_planned_anew():
         BudgetConfig(ladder="geometric", ratio=1.25, align=32),
     ],
 )
-def test_a_coarser_generated_ladder_becomes_geometric_at_compiled_ratio(choice):
+def test_a_coarser_generated_ladder_becomes_geometric_at_the_compiled_ratio(choice):
     refined = compiled_choice(choice)
     assert (refined.ladder, refined.ratio) == ("geometric", 1.05)
     # Everything else is the user's choice, kept.
-    kept = ("min_budget", "max_budget", "align", "compiled_ratio")
+    kept = ("min_budget", "max_budget", "align")
     assert [getattr(refined, name) for name in kept] == [getattr(choice, name) for name in kept]
 
 
@@ -90,20 +90,10 @@ def test_a_coarser_generated_ladder_becomes_geometric_at_compiled_ratio(choice):
         BudgetConfig(ladder="geometric", ratio=1.03),  # already finer
         BudgetConfig(ladder="geometric", ratio=1.05),
         BudgetConfig(budgets=[64, 256, 1024]),  # the user's explicit ladder
-        BudgetConfig(ladder="pow2", compiled_ratio=None),  # asked to keep it
     ],
 )
-def test_finer_explicit_and_opted_out_ladders_are_kept(choice):
+def test_finer_and_explicit_ladders_are_kept(choice):
     assert compiled_choice(choice) is choice
-
-
-@pytest.mark.parametrize("bad", [1, 1.0, 0.5, "1.05", True, float("inf")])
-def test_compiled_ratio_must_be_a_number_above_one(bad):
-    with pytest.raises(
-        ValueError,
-        match=rf"compiled_ratio must be a finite number > 1 or None; got compiled_ratio={bad!r}",
-    ):
-        BudgetConfig(compiled_ratio=bad)
 
 
 def test_a_plan_remembers_a_bounded_number_of_call_shapes(monkeypatch):
