@@ -20,6 +20,7 @@ from lightning_cg.adapters import join_rows, select_rows
 from lightning_cg.adapters.batched import IMAGE_PATH, BatchedEncoderAdapter, dummy_rows
 from lightning_cg.adapters.row_outputs import TreeLayout, output_rows
 from lightning_cg.engine.encoder import CaptureSpec, ItemSpec
+from lightning_cg.engine.replay import autocast_key
 
 #: Where to get the optional dependency.
 INSTALL_HINT = "pip install 'lightning-cg[hf]'"
@@ -270,13 +271,13 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
         return list(self._signature_index)[index], {name: t for (name, _, _), t in split.items()}
 
     def _remember_layout(self, signature: HFCallSignature, output: Any, batch_size: int) -> None:
-        key = (signature, _autocast_state())
+        key = (signature, autocast_key())
         if key not in self._layouts:
             self._layouts[key] = TreeLayout.of(output, batch_size)
 
     def _layout(self, inputs: HFInputs) -> TreeLayout:
         """This call's output layout (an item runs eagerly once if a compiled forward kept none)."""
-        key = (inputs.signature, _autocast_state())
+        key = (inputs.signature, autocast_key())
         if key not in self._layouts:
             with torch.no_grad():
                 self.eager_forward(IMAGE_PATH, self.select_items(inputs, [0]))
@@ -289,12 +290,3 @@ class HFEncoderAdapter(BatchedEncoderAdapter):
             "lightning_cg.engine.encoder.GraphableEncoder for "
             f"{type(self.tower).__name__} to graph other calling conventions."
         )
-
-
-def _autocast_state() -> tuple:
-    """The autocast dtypes in force: they change the dtypes of the output fields."""
-    return tuple(
-        (device, torch.get_autocast_dtype(device))
-        for device in ("cuda", "cpu")
-        if torch.is_autocast_enabled(device)
-    )
