@@ -25,22 +25,24 @@ def is_finite_number(value: object) -> bool:
 
 
 def check_range(min_budget: int, max_budget: int) -> None:
+    """Refuse budget bounds that are not positive integers with min <= max."""
     if not is_positive_int(max_budget):
-        raise ValueError(f"max_budget must be a positive integer (got max_budget={max_budget!r})")
+        raise ValueError(f"max_budget must be a positive integer; got max_budget={max_budget!r}")
     if not is_positive_int(min_budget) or min_budget > max_budget:
         raise ValueError(
-            "min_budget must be a positive integer <= max_budget "
-            f"(got min_budget={min_budget!r}, max_budget={max_budget!r})"
+            "min_budget must be a positive integer <= max_budget; "
+            f"got min_budget={min_budget!r}, max_budget={max_budget!r}"
         )
 
 
-def _check_ladder(ladder: str, ratio: float, align: int) -> None:
+def check_ladder(ladder: str, ratio: float, align: int) -> None:
+    """Refuse an unknown ladder, a ratio not above 1 or an align that is no positive integer."""
     if ladder not in LADDERS:
-        raise ValueError(f"ladder must be one of {', '.join(LADDERS)} (got ladder={ladder!r})")
+        raise ValueError(f"ladder must be one of {', '.join(LADDERS)}; got ladder={ladder!r}")
     if not is_finite_number(ratio) or not ratio > 1:
-        raise ValueError(f"ratio must be a finite number > 1 (got ratio={ratio!r})")
+        raise ValueError(f"ratio must be a finite number > 1; got ratio={ratio!r}")
     if not is_positive_int(align):
-        raise ValueError(f"align must be a positive integer (got align={align!r})")
+        raise ValueError(f"align must be a positive integer; got align={align!r}")
 
 
 def _pow2_ladder(min_budget: int, max_budget: int) -> list[int]:
@@ -79,7 +81,7 @@ def generate_budgets(
         [64, 128, 256, 512, 1000]
     """
     check_range(min_budget, max_budget)
-    _check_ladder(ladder, ratio, align)
+    check_ladder(ladder, ratio, align)
     if ladder == "pow2":
         budgets = _pow2_ladder(min_budget, max_budget)
     else:
@@ -99,14 +101,14 @@ def check_budget_list(user_budgets: Sequence[int]) -> list[int]:
     """An explicit ladder, ascending; refused unless non-empty positive integers, each once."""
     if not user_budgets or not all(is_positive_int(budget) for budget in user_budgets):
         raise ValueError(
-            f"budgets must be a non-empty list of positive integers (got budgets={user_budgets!r})"
+            f"budgets must be a non-empty list of positive integers; got budgets={user_budgets!r}"
         )
     repeated = sorted({budget for budget in user_budgets if user_budgets.count(budget) > 1})
     if repeated:
         # A repeat is most likely a typo for a budget left out: say so rather than drop it.
         raise ValueError(
-            f"budgets must list each budget once; repeated: {repeated} "
-            f"(got budgets={user_budgets!r})"
+            f"budgets must list each budget once; repeated: {repeated}; "
+            f"got budgets={user_budgets!r}"
         )
     return sorted(user_budgets)
 
@@ -114,9 +116,9 @@ def check_budget_list(user_budgets: Sequence[int]) -> list[int]:
 def _check_user_max_items(user_max_items: int, limit: int, limit_name: str) -> None:
     if not is_positive_int(user_max_items) or user_max_items > limit:
         raise ValueError(
-            f"max_items must be a positive integer <= {limit_name}, {limit} "
-            f"(got max_items={user_max_items!r}): every item yields at least one output "
-            "token, so a graph of budget B holds at most B items"
+            f"max_items must be a positive integer <= {limit_name}, {limit}: every item "
+            "yields at least one output token, so a graph of budget B holds at most B items; "
+            f"got max_items={user_max_items!r}"
         )
 
 
@@ -151,7 +153,7 @@ def resolve_budgets(
         ([64, 128, 256, 512, 1024], 16)
     """
     check_range(min_budget, max_budget)
-    _check_ladder(ladder, ratio, align)
+    check_ladder(ladder, ratio, align)
     if user_budgets is not None:
         return _resolve_user_budgets(min_budget, max_budget, user_budgets, user_max_items)
     if user_max_items is None:

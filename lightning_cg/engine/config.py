@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_cg.core.budgets import LADDERS, check_budget_list, is_finite_number
+from lightning_cg.core.budgets import check_budget_list, check_ladder, check_range
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.compiled import check_compile
 from lightning_cg.engine.piecewise import (
@@ -60,26 +60,18 @@ class BudgetConfig:
     def __post_init__(self) -> None:
         for name in ("min_budget", "max_budget"):
             _check_positive_int(name, getattr(self, name), none_ok=True)
-        if None not in (self.min_budget, self.max_budget) and self.min_budget > self.max_budget:
-            raise ValueError(
-                f"min_budget must be <= max_budget; got min_budget={self.min_budget}, "
-                f"max_budget={self.max_budget}"
-            )
+        if None not in (self.min_budget, self.max_budget):
+            check_range(self.min_budget, self.max_budget)
         if self.budgets is not None:
             if isinstance(self.budgets, str | bytes) or not isinstance(self.budgets, Sequence):
                 raise ValueError(
                     f"budgets must be a list of positive integers; got budgets={self.budgets!r}"
                 )
-            if not self.budgets:
-                raise ValueError("budgets must be a non-empty list of positive integers; got []")
             for index, budget in enumerate(self.budgets):
                 _check_positive_int(f"budgets[{index}]", budget)
             check_budget_list(self.budgets)
             object.__setattr__(self, "budgets", tuple(self.budgets))
-        _check_choice("ladder", self.ladder, LADDERS)
-        if not is_finite_number(self.ratio) or not self.ratio > 1:
-            raise ValueError(f"ratio must be a finite number > 1; got ratio={self.ratio!r}")
-        _check_positive_int("align", self.align)
+        check_ladder(self.ladder, self.ratio, self.align)
         self._check_options_apply()
 
     def _check_options_apply(self) -> None:

@@ -96,7 +96,7 @@ def test_generate_budgets_error_message_shows_values_and_allowed():
     with pytest.raises(ValueError) as info:
         generate_budgets(0, 64)
     assert str(info.value) == (
-        "min_budget must be a positive integer <= max_budget (got min_budget=0, max_budget=64)"
+        "min_budget must be a positive integer <= max_budget; got min_budget=0, max_budget=64"
     )
     with pytest.raises(ValueError, match="pow2, geometric"):
         generate_budgets(16, 64, ladder="linear")
@@ -128,7 +128,7 @@ def test_resolve_both_given_sorts_the_ladder():
 
 
 def test_a_repeated_budget_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"budgets must list each budget once; repeated: \[512\] "):
+    with pytest.raises(ValueError, match=r"budgets must list each budget once; repeated: \[512\];"):
         resolve_budgets(64, 4096, [512, 128, 512, 2048], 16)
 
 

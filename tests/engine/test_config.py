@@ -38,7 +38,7 @@ def test_a_path_error_names_the_keys_it_took_from_budgets():
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "paths.local.min_budget must be <= max_budget; got min_budget=64, "
+            "paths.local.min_budget must be a positive integer <= max_budget; got min_budget=64, "
             "max_budget=32 (min_budget=64 from budgets)"
         ),
     ):
