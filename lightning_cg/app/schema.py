@@ -52,9 +52,6 @@ def _schema_fields(config_class: type) -> list[tuple]:
         if config_field.default_factory is not dataclasses.MISSING:
             made = type(config_field.default_factory())
             node = field(default_factory=BudgetsSchema if made is BudgetConfig else made)
-        elif isinstance(default, tuple):
-            # A tuple default (splitting_ops) is the callback's None.
-            node_type, node = node_type | None, field(default=None)
         else:
             node = field(default=default.value if isinstance(default, enum.Enum) else default)
         fields.append((config_field.name, node_type, node))

@@ -67,8 +67,7 @@ class CUDAGraphCallback(Callback):
         keep_graphs: keep graphs between runs; False frees them after each run.
         config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
         mode, budgets, capture, compile, **options: GraphConfig fields, not with ``config``;
-            mode is ``none``, ``full``, ``full_uniform_only``, ``piecewise`` or
-            ``full_and_piecewise``.
+            mode is ``none``, ``full`` or ``full_uniform_only``.
 
     Example::
 

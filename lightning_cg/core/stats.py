@@ -12,7 +12,7 @@ class GraphStats:
     A hit is one path of one sub-batch served by a graph, a miss one run eagerly: split by
     reason in ``eager_*``, except where graphs are off (mode ``none``) or a capture fault
     turned the path eager, which count as misses alone. Graphs count CUDA graphs held (one
-    per FULL key, one per piece of a PIECEWISE key). Pool bytes: reserved CUDA memory
+    per key). Pool bytes: reserved CUDA memory
     growth while capturing. Weight copy bytes: the low-precision weight copies graphs read
     (held while graphs are). Host seconds: served replays' host time (nothing waits for
     the GPU); launch seconds: its graph-launch part. Compile seconds: a compiled encoder's
@@ -20,7 +20,6 @@ class GraphStats:
     """
 
     hits: int = 0
-    piecewise_hits: int = 0
     misses: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0

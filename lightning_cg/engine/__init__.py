@@ -1,5 +1,5 @@
 """The graph engine: the encoder protocol, the manager, capture, replay, the call path,
-piecewise and compiled graphs, and data-parallel sharding.
+compiled graphs, and data-parallel sharding.
 
 May import: ``lightning_cg.core`` and torch; never Lightning, Hydra or the adapters.
 """

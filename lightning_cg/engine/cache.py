@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from lightning_cg.core.dispatcher import BatchDescriptor, GraphMode
+from lightning_cg.core.dispatcher import BatchDescriptor
 from lightning_cg.engine.encoder import CaptureSpec
-from lightning_cg.engine.piecewise_graph import PiecewiseGraph
 from lightning_cg.engine.static_inputs import StaticInputs
 
 
@@ -36,13 +35,11 @@ class GraphKey:
 
     graph_set: GraphSet
     path: str
-    mode: GraphMode
     descriptor: BatchDescriptor
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        fields = (self.graph_set, self.path, self.mode, self.descriptor)
-        object.__setattr__(self, "_hash", hash(fields))
+        object.__setattr__(self, "_hash", hash((self.graph_set, self.path, self.descriptor)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -50,8 +47,8 @@ class GraphKey:
 
 @dataclass
 class CapturedGraph:
-    """Static buffers of one key and ``run``, which replays its graph or pieces (without
-    CUDA: runs them eagerly) and returns the output the next run overwrites."""
+    """Static buffers of one key and ``run``, which replays its graph (without CUDA: runs
+    the graph forward eagerly) and returns the output the next run overwrites."""
 
     spec: CaptureSpec
     buffers: dict[str, torch.Tensor]
@@ -59,9 +56,8 @@ class CapturedGraph:
     #: The adapter's padding rule by buffer name (``zero`` for the others).
     padding_rules: Mapping[str, str]
     cuda_graph: torch.cuda.CUDAGraph | None = None
-    #: A FULL graph's static output, which each replay of ``cuda_graph`` overwrites.
+    #: The graph's static output, which each replay of ``cuda_graph`` overwrites.
     output: torch.Tensor | None = None
-    pieces: PiecewiseGraph | None = None
     #: The kinds of padding (``tokens``, ``items``) of replays that matched eager on their
     #: real rows: padding of those kinds leaves the real rows alone. None: no replay checked.
     checked_padding: frozenset[str] | None = None
@@ -70,13 +66,6 @@ class CapturedGraph:
 
     def __post_init__(self) -> None:
         self.static_inputs = StaticInputs(self.buffers, self.padding_rules)
-
-    @property
-    def num_cuda_graphs(self) -> int:
-        """CUDA graphs this key holds: one, one per piece, or none without CUDA."""
-        if self.pieces is not None:
-            return self.pieces.num_graphs
-        return int(self.cuda_graph is not None)
 
 
 class GraphCache:
@@ -114,20 +103,16 @@ class GraphCache:
 
     @property
     def num_cuda_graphs(self) -> int:
-        """CUDA graphs held, over every key."""
-        return sum(graph.num_cuda_graphs for graph in self._graphs.values())
+        """CUDA graphs held (none without CUDA)."""
+        return sum(graph.cuda_graph is not None for graph in self._graphs.values())
 
-    def drop(
-        self, paths: Sequence[str], from_budget: int = 0, mode: GraphMode | None = None
-    ) -> None:
-        """Forget the graphs of ``paths`` (of one mode, and from a budget up)."""
+    def drop(self, paths: Sequence[str], from_budget: int = 0) -> None:
+        """Forget the graphs of ``paths`` (from a budget up)."""
         self.remove(
             [
                 key
                 for key in self._graphs
-                if key.path in paths
-                and key.descriptor.num_tokens >= from_budget
-                and (mode is None or key.mode is mode)
+                if key.path in paths and key.descriptor.num_tokens >= from_budget
             ]
         )
 

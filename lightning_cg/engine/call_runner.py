@@ -177,7 +177,6 @@ class CallRunner:
         if served is rows:
             # Counted once served: a replay that raised or lost its check is no hit.
             self.stats.hits += 1
-            self.stats.piecewise_hits += graph.pieces is not None
             self.stats.real_tokens += total
             self.stats.padded_tokens += key.descriptor.num_tokens - total
             self.stats.host_seconds += host_seconds

@@ -1,8 +1,8 @@
 """Capture: record the graphs of given keys, and recover from what a capture can hit.
 
 Out of memory drops the failing budget and larger ones and retries; an uncapturable
-tower turns its path eager; an unsplittable one falls back by ``piecewise_fallback``;
-any other error turns every path eager (an eager run of the tower still raises it).
+tower turns its path eager; any other error turns every path eager (an eager run of the
+tower still raises it).
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.core.stats import GraphStats
 from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
 from lightning_cg.engine.config import GraphConfig
@@ -30,22 +29,12 @@ from lightning_cg.engine.faults import (
     diagnose,
     free_device_memory,
 )
-from lightning_cg.engine.piecewise import PiecewiseUnsupported, split_graph_forward
-from lightning_cg.engine.piecewise_graph import PiecewiseGraph, side_stream
 from lightning_cg.engine.plan import PathPlan, PlanRef
 from lightning_cg.engine.replay import graph_context
 from lightning_cg.engine.weight_casts import WeightCasts
 
 logger = logging.getLogger(__name__)
 ProgressFn = Callable[[int, int, CaptureSpec], None]
-#: The mode a path falls back to when its tower cannot be split, by fallback and mode.
-_FALLBACK_MODES = {
-    "eager": {
-        GraphMode.PIECEWISE: GraphMode.NONE,
-        GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL_UNIFORM_ONLY,
-    },
-    "full": {GraphMode.PIECEWISE: GraphMode.FULL, GraphMode.FULL_AND_PIECEWISE: GraphMode.FULL},
-}
 #: Largest relative difference of warm-ups with and without the weight copies that lets
 #: a graph read them (they agree to the bit unless a weight is used outside autocast).
 CAST_TOLERANCE = 1e-3
@@ -54,7 +43,7 @@ CAST_TOLERANCE = 1e-3
 class GraphCapturer:
     """Captures keys into a :class:`GraphCache`, changing the plans a fault rules out.
 
-    Under autocast, FULL graphs read ``weight_casts`` (None: every replay casts) when a
+    Under autocast, graphs read ``weight_casts`` (None: every replay casts) when a
     warm-up with them agrees with one without.
     """
 
@@ -105,14 +94,8 @@ class GraphCapturer:
 
     def _capture_recovering(self, keys: list[GraphKey]) -> None:
         out_of_memory: dict[str, list[int]] = {}
-        paths = sorted({key.path for key in keys})
         while True:
-            try:
-                failure = self._capture_keys(self._still_wanted(keys))
-            except PiecewiseUnsupported as error:
-                self._fall_back(paths, error)
-                keys = [key for key in keys if key.mode is not GraphMode.PIECEWISE]
-                continue
+            failure = self._capture_keys(self._still_wanted(keys))
             if failure is None:
                 break
             # Out of the except clause: the error's frames (the failed graph) are gone.
@@ -154,18 +137,12 @@ class GraphCapturer:
         for done, key in enumerate(keys, start=1):
             plan = self.plans.plan
             spec = plan.paths[key.path].capture_spec(
-                key.path, key.mode, key.descriptor, key.graph_set.signature, plan.max_items
+                key.path, key.descriptor, key.graph_set.signature, plan.max_items
             )
             try:
-                graph = self._capture_one(key.mode, spec)
+                graph = self._capture_one(spec)
             except Exception as error:
-                fault = diagnose(error)
-                if isinstance(error, PiecewiseUnsupported) and (
-                    fault is None or fault.kind != OUT_OF_MEMORY
-                ):
-                    raise  # piecewise_fallback decides
-                if fault is None:
-                    fault = capture_failed(error)
+                fault = diagnose(error) or capture_failed(error)
                 self.cache.remove(captured)
                 return key, fault
             self.cache.add(key, graph)
@@ -174,19 +151,10 @@ class GraphCapturer:
                 self.progress(done, len(keys), spec)
         return None
 
-    def _capture_one(self, runtime_mode: GraphMode, spec: CaptureSpec) -> CapturedGraph:
+    def _capture_one(self, spec: CaptureSpec) -> CapturedGraph:
         buffers = self.cache.share_buffers(spec, self.encoder.capture_inputs(spec))
         pool = self.cache.pool() if any(b.is_cuda for b in buffers.values()) else None
         rules = self.padding_rules
-        if runtime_mode is GraphMode.PIECEWISE:
-            split = split_graph_forward(
-                functools.partial(self.encoder.graph_forward, spec.path),
-                buffers,
-                self.config.splitting_ops,
-                name=f"{type(self.encoder).__name__}.graph_forward on path {spec.path!r}",
-            )
-            pieces = PiecewiseGraph(split, buffers, pool)
-            return CapturedGraph(spec, buffers, pieces.run, rules, pieces=pieces)
         if pool is None:
             run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
             return CapturedGraph(spec, buffers, run, rules)
@@ -243,24 +211,6 @@ class GraphCapturer:
             return contextlib.nullcontext()
         return self.weight_casts.swapped_in(dtype)
 
-    def _fall_back(self, paths: Sequence[str], error: PiecewiseUnsupported) -> None:
-        """Give ``paths`` a mode without PIECEWISE keys, or raise ``error``."""
-        fallback = self.config.piecewise_fallback
-        if fallback == "error":
-            raise PiecewiseUnsupported(
-                f"{str(error).rstrip('.')}. Or set piecewise_fallback='full' (capture such "
-                "paths whole) or 'eager' (run them eagerly), or choose mode='full'"
-            ) from error
-        mode = _FALLBACK_MODES[fallback][self.config.mode]
-        _warn(
-            f"{error}; paths {list(paths)} fall back to mode {mode.value!r} "
-            f"(piecewise_fallback={fallback!r})",
-            stacklevel=2,
-        )
-        for path in paths:
-            self.plans.update(path, self.plans.plan.paths[path].with_mode(mode))
-        self.cache.drop(paths, mode=GraphMode.PIECEWISE)
-
     def _run_eagerly(self, path: str, fault: CaptureFault) -> None:
         self.plans.update(path, self.plans.plan.paths[path].eager(str(fault)))
         self.cache.drop([path])
@@ -301,10 +251,17 @@ class GraphCapturer:
 
 def path_keys(graph_set: GraphSet, path: str, plan: PathPlan) -> list[GraphKey]:
     """Every key of ``path``'s dispatcher (its whole ladder) in ``graph_set``."""
-    return [
-        GraphKey(graph_set, path, runtime_mode, desc)
-        for runtime_mode, desc in plan.dispatcher.capture_descriptors()
-    ]
+    return [GraphKey(graph_set, path, desc) for desc in plan.dispatcher.capture_descriptors()]
+
+
+@contextlib.contextmanager
+def side_stream() -> Iterator[None]:
+    """Run the ``with`` body on a side stream, so lazy initialisation stays out of graphs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
 
 
 def _replayer(cuda_graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], torch.Tensor]:

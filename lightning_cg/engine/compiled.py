@@ -29,19 +29,13 @@ if TYPE_CHECKING:  # config imports this module for check_compile
 
 
 def check_compile(compile: bool, mode: GraphMode) -> bool:
-    """``compile`` if it is a bool and, when it is True, ``mode`` captures whole FULL graphs."""
+    """``compile`` if it is a bool and, when it is True, ``mode`` captures graphs."""
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be true or false; got compile={compile!r}")
     if compile and mode is GraphMode.NONE:
         raise ValueError(
             "compile=True compiles the graphs' forward; mode 'none' captures no graph. "
             "Use compile=False, or a mode with graphs: full, full_uniform_only"
-        )
-    if compile and mode.requires_piecewise():
-        raise ValueError(
-            "compile=True captures the whole compiled graph forward; mode "
-            f"{mode.value!r} splits it into pieces. Use compile=False, or a mode "
-            "without pieces: full, full_uniform_only"
         )
     return compile
 

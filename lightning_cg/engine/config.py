@@ -9,11 +9,6 @@ from typing import Any
 from lightning_cg.core.budgets import check_budget_list, check_ladder, check_range
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.compiled import check_compile
-from lightning_cg.engine.piecewise import (
-    DEFAULT_SPLITTING_OPS,
-    check_piecewise_fallback,
-    check_splitting_ops,
-)
 
 #: When a key is captured (``capture``; see :class:`GraphConfig`).
 CAPTURE_POLICIES = ("paid_back", "first_use", "upfront")
@@ -136,7 +131,6 @@ class GraphConfig:
         max_items_per_batch: most items in one sub-batch; None derives it from the budgets.
         max_frames_per_batch: attention sequences a graph holds; None is
             ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
-        piecewise_fallback: ``error``, ``eager`` or ``full`` for a tower that cannot split.
         compile: capture a ``torch.compile``'d graph forward (``full``, ``full_uniform_only``).
         capture: ``paid_back`` once a key's capture should pay for itself, ``first_use`` when
             a batch first needs it, ``upfront`` a path's whole ladder at its first call.
@@ -150,8 +144,6 @@ class GraphConfig:
     paths: Mapping[str, BudgetConfig] = field(default_factory=dict)
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
-    splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
-    piecewise_fallback: str = "error"
     compile: bool = False
     capture: str = "paid_back"
     cast_weights_per_run: bool = True
@@ -173,25 +165,10 @@ class GraphConfig:
                 "cast_weights_per_run must be true or false; "
                 f"got cast_weights_per_run={self.cast_weights_per_run!r}"
             )
-        set_field(self, "splitting_ops", check_splitting_ops(self.splitting_ops))
-        check_piecewise_fallback(self.piecewise_fallback)
         check_compile(self.compile, self.mode)
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:
             self._check_compile_only_options()
-        if not self.mode.requires_piecewise():
-            self._check_piecewise_only_options()
-
-    def _check_piecewise_only_options(self) -> None:
-        """Refuse ``splitting_ops`` and ``piecewise_fallback`` set where no mode splits."""
-        for name in ("splitting_ops", "piecewise_fallback"):
-            value = getattr(self, name)
-            if value != _GRAPH_DEFAULTS[name]:
-                raise ValueError(
-                    f"{name}={value!r} is read only by the modes piecewise and "
-                    f"full_and_piecewise, and mode={self.mode.value!r}: drop it, or choose "
-                    "such a mode"
-                )
 
     def _check_compile_only_options(self) -> None:
         """Refuse ``align`` of a pow2 ladder: only compiling reads it (its ladder is geometric)."""
@@ -224,7 +201,6 @@ class GraphConfig:
         cls,
         budgets: Mapping[str, Any] | BudgetConfig | None = None,
         paths: Mapping[str, Mapping[str, Any] | BudgetConfig] | None = None,
-        splitting_ops: Sequence[str] | None = None,
         **options: Any,
     ) -> GraphConfig:
         """A GraphConfig from plain values (Hydra, keywords): ``budgets`` and each ``paths`` entry
@@ -242,8 +218,6 @@ class GraphConfig:
             else _path_budgets(path, budgets, choice)
             for path, choice in (paths or {}).items()
         }
-        if splitting_ops is not None:
-            options["splitting_ops"] = splitting_ops
         return cls(budgets=base, paths=path_budgets, **options)
 
 
@@ -290,6 +264,3 @@ def _as_mapping(choice: Any, field_name: str = "budgets") -> dict[str, Any]:
             f"{field_name} must be a mapping of {', '.join(BUDGET_FIELDS)}; got {choice!r}"
         )
     return dict(choice)
-
-
-_GRAPH_DEFAULTS = {option.name: option.default for option in fields(GraphConfig)}

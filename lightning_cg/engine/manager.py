@@ -22,7 +22,6 @@ from lightning_cg.engine.compiled import compiled_encoder_for
 from lightning_cg.engine.compiling import CompileLifecycle
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.engine.piecewise import check_ops_registered
 from lightning_cg.engine.plan import PathPlan, PlanRef, path_budget_choices, plan_paths
 from lightning_cg.engine.replay import autocast_key
 from lightning_cg.engine.weight_casts import WeightCasts, weight_casts_for
@@ -56,8 +55,6 @@ class EncoderGraphManager:
                 f"got {type(encoder)!r}"
             )
         self.config = GraphConfig.from_config_or_options(config, options)
-        if self.config.mode.requires_piecewise():
-            check_ops_registered(self.config.splitting_ops)
         self.mode = self.config.mode
         self.stats = GraphStats()
         # Adapters that build their output from each path's rows skip the per-item split.

@@ -60,29 +60,22 @@ class PathPlan:
         """This path run eagerly for ``reason``."""
         return dataclasses.replace(self, eager_reason=reason)
 
-    def with_mode(self, mode: GraphMode) -> PathPlan:
-        """This plan dispatching by ``mode``."""
-        return dataclasses.replace(self, dispatcher=self.dispatcher.replace(mode=mode))
-
     def capture_spec(
-        self, path: str, mode: GraphMode, desc: BatchDescriptor, signature: object, max_items: int
+        self, path: str, desc: BatchDescriptor, signature: object, max_items: int
     ) -> CaptureSpec:
         """The static shape of the graph of one key."""
         items = desc.num_items or max_items
-        frames = self.graph_frames(mode, desc, max_items)
+        frames = self.graph_frames(desc, max_items)
         return CaptureSpec(path, desc.num_tokens, items, frames, signature)
 
-    def graph_frames(self, runtime_mode: GraphMode, desc: BatchDescriptor, max_items: int) -> int:
+    def graph_frames(self, desc: BatchDescriptor, max_items: int) -> int:
         """Attention sequences (frames) the graph of a key holds (remembered per key)."""
-        remembered = (runtime_mode, desc, max_items)
+        remembered = (desc, max_items)
         frames = self._graph_frames.get(remembered)
         if frames is not None:
             return frames
         items = desc.num_items or max_items
-        if runtime_mode is GraphMode.PIECEWISE:
-            # Attention runs eagerly: the metadata may hold every frame a sub-batch can have.
-            frames = max(self.max_frames, items * self.item_frames)
-        elif desc.uniform:
+        if desc.uniform:
             frames = items * self.item_frames
         elif desc.num_items is None or items >= min(desc.num_tokens, max_items):
             # One graph for any item count, or a budget's most items.
@@ -188,26 +181,14 @@ class Plan:
     def _find_key(
         self, graph_set: GraphSet, path: str, plan: PathPlan, desc: BatchDescriptor, frames: int
     ) -> GraphKey | None:
-        runtime_mode, found = plan.dispatcher.dispatch(desc)
-        if not self._holds_frames(plan, runtime_mode, found, frames):
+        found = plan.dispatcher.dispatch(desc)
+        if found is not None and frames > plan.graph_frames(found, self.max_items):
             # More sequences than the key's graph holds: a mixed key with enough slots.
             slots = min(-(-frames // plan.item_frames), self.max_items)
-            runtime_mode, found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
-            if not self._holds_frames(plan, runtime_mode, found, frames):
-                runtime_mode, found = plan.dispatcher.dispatch(desc, disable_full=True)
-        if runtime_mode is GraphMode.NONE or found is None:
-            return None
-        if frames > plan.graph_frames(runtime_mode, found, self.max_items):
-            return None  # only items with more frames than max_frames_per_item
-        return GraphKey(graph_set, path, runtime_mode, found)
-
-    def _holds_frames(
-        self, plan: PathPlan, runtime_mode: GraphMode, desc: BatchDescriptor | None, frames: int
-    ) -> bool:
-        """False only for a FULL key whose graph has fewer sequence slots than ``frames``."""
-        if runtime_mode is not GraphMode.FULL or desc is None:
-            return True
-        return frames <= plan.graph_frames(runtime_mode, desc, self.max_items)
+            found = plan.dispatcher.dispatch(BatchDescriptor(desc.num_tokens, slots))
+        if found is None or frames > plan.graph_frames(found, self.max_items):
+            return None  # no graph of the shape, or more frames than a graph holds
+        return GraphKey(graph_set, path, found)
 
 
 class PlanRef:

@@ -217,15 +217,6 @@ def test_empty_batch_returns_the_towers_own_empty_output():
     assert_same_output(execute(manager, x, scale), eager(tower, x, scale))
 
 
-def test_piecewise_mode_splits_the_tower_at_attention():
-    tower = tiny_tower("clip")
-    manager = manager_for(tower, mode="piecewise")
-    x = torch.randn(5, 3, 32, 32)
-    out = execute(manager, x, output_hidden_states=True)
-    assert_same_output(out, eager(tower, x, output_hidden_states=True))
-    assert manager.stats.piecewise_hits > 0
-
-
 @pytest.mark.slow  # dynamo traces the tower: seconds
 def test_a_compiled_graph_forward_learns_the_output_layout_eagerly():
     tower = tiny_tower("clip")

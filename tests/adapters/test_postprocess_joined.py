@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 from output_checks import assert_same_output
+from packed_calls import packed_call, packed_tower
 from test_batched import tiny_vit
-from test_piecewise import packed_call, packed_tower
 
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.adapters.packed import PackedEncoderAdapter

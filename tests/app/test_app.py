@@ -38,7 +38,7 @@ TINY_QWEN = [
 ]
 SMALL_DATA = ["data=synthetic", "data.num_items=6", "data.max_side=64", "data.batch_size=3"]
 GROUPS = {
-    "cudagraph": ["full", "none", "piecewise", "full_and_piecewise", "full_uniform_only"],
+    "cudagraph": ["full", "none", "full_uniform_only"],
     "cudagraph/budgets": ["pow2", "geometric", "explicit"],
     "model": ["packed_vit", "packed_vit_small", "vit_b_16", "resnet50", "qwen2_vl_vision"],
     "data": ["photos", "synthetic", "fake"],

@@ -162,13 +162,13 @@ def test_exception_in_predict_restores_forward():
 def test_two_callbacks_on_one_tower_are_refused_and_leave_the_forward_alone():
     net = model()
     first = CUDAGraphCallback(budgets=BUDGETS, capture="first_use")
-    second = CUDAGraphCallback(module="vision_tower", stages=["predict"], mode="piecewise")
+    second = CUDAGraphCallback(module="vision_tower", stages=["predict"], mode="full_uniform_only")
     with pytest.raises(ValueError) as refused:
         trainer(first, second).predict(net, datamodule())
     message = str(refused.value)
     assert "two CUDAGraphCallbacks serve the same tower PackedViT" in message
     assert "stages=['validate', 'test', 'predict'], mode='full'" in message
-    assert "stages=['predict'], mode='piecewise'" in message
+    assert "stages=['predict'], mode='full_uniform_only'" in message
     assert "forward" not in net.vision_tower.__dict__
     assert first.manager is None and second.manager is None
     trainer(max_epochs=1, limit_val_batches=1).fit(net, datamodule())
@@ -383,5 +383,5 @@ def test_lightning_cli_adds_the_callback():
     )
     assert configured.config.max_items_per_batch == 2
     # A mode inside config is its value, as beside it.
-    moded = callback_from("--trainer.callbacks.config.mode=piecewise")
-    assert moded.mode.name == "PIECEWISE" and moded.config.mode is moded.mode
+    moded = callback_from("--trainer.callbacks.config.mode=full_uniform_only")
+    assert moded.mode.name == "FULL_UNIFORM_ONLY" and moded.config.mode is moded.mode

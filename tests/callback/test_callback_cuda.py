@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cuda
 
 PACKED = dict(hidden_size=64, depth=2, num_heads=4, patch_size=4, out_hidden_size=32)
 VIT = dict(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64)
-MODES = ["full", "piecewise", "full_and_piecewise", "full_uniform_only", "none"]
+MODES = ["full", "full_uniform_only", "none"]
 
 
 def model(kind: str) -> VisionClassifier:

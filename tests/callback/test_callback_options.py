@@ -16,7 +16,6 @@ from test_callback import BUDGETS, datamodule, model, predictions, trainer
 
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
-from lightning_cg.engine.piecewise import PiecewiseUnsupported
 
 SUB_BATCHES = 3  # one per batch of 4 items, unless an option splits them
 #: One budget: each sub-batch pads to it; with at most 4 items, few graphs to capture.
@@ -36,17 +35,16 @@ def graphed_stats(eager: torch.Tensor, **options) -> dict[str, float]:
     return callback.last_stats
 
 
-def served(stats: dict[str, float]) -> tuple[float, float, float]:
-    return stats["hits"], stats["piecewise_hits"], stats["misses"]
+def served(stats: dict[str, float]) -> tuple[float, float]:
+    return stats["hits"], stats["misses"]
 
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        ("none", (0, 0, SUB_BATCHES)),
-        ("full", (SUB_BATCHES, 0, 0)),
-        ("full_uniform_only", (0, 0, SUB_BATCHES)),  # images of mixed sizes
-        ("piecewise", (SUB_BATCHES, SUB_BATCHES, 0)),
+        ("none", (0, SUB_BATCHES)),
+        ("full", (SUB_BATCHES, 0)),
+        ("full_uniform_only", (0, SUB_BATCHES)),  # images of mixed sizes
     ],
 )
 def test_mode_decides_how_sub_batches_run(eager, mode, expected):
@@ -71,7 +69,7 @@ def test_max_items_per_batch_splits_batches(eager):
 def test_max_frames_per_batch_sends_sub_batches_of_more_frames_to_eager(eager):
     # Four one-frame images need four attention sequences; the graphs hold one.
     stats = graphed_stats(eager, budgets=BUDGETS, max_frames_per_batch=1)
-    assert served(stats) == (0, 0, SUB_BATCHES)
+    assert served(stats) == (0, SUB_BATCHES)
 
 
 @pytest.mark.parametrize("keep_graphs", [True, False])
@@ -110,32 +108,6 @@ def test_a_graph_forward_that_differs_from_eager_is_caught(eager, monkeypatch):
     with pytest.warns(UserWarning, match="differs from eager on the same items"):
         predictions(callback)
     assert callback.last_stats["eager_replay_differs"] > 0
-
-
-@pytest.mark.parametrize(
-    ("piecewise_fallback", "expected"),
-    [("eager", (0, 0, SUB_BATCHES)), ("full", (SUB_BATCHES, 0, 0))],
-)
-def test_splitting_ops_absent_from_the_tower_take_the_piecewise_fallback(
-    eager, piecewise_fallback, expected
-):
-    with pytest.warns(RuntimeWarning, match="max_pool2d.*fall back"):
-        stats = graphed_stats(
-            eager,
-            mode="piecewise",
-            **FEW_GRAPHS,
-            splitting_ops=["aten::max_pool2d"],
-            piecewise_fallback=piecewise_fallback,
-        )
-    assert served(stats) == expected
-
-
-def test_splitting_ops_absent_from_the_tower_fail_without_a_fallback():
-    callback = CUDAGraphCallback(
-        mode="piecewise", **FEW_GRAPHS, splitting_ops=["aten::max_pool2d"], capture="first_use"
-    )
-    with pytest.raises(PiecewiseUnsupported, match="max_pool2d.*piecewise_fallback='full'"):
-        predictions(callback)
 
 
 def test_compile_replays_a_compiled_graph_forward(eager, monkeypatch):

@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
+from packed_calls import packed_call, packed_tower, tiny_vit
 from test_callback import BUDGETS, RecordingModel, datamodule, trainer
-from test_piecewise import packed_call, packed_tower, tiny_vit
 from toy_encoder import ToyEncoder, ToyTower
 
 from examples.models.lit import build_tower

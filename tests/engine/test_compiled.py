@@ -151,13 +151,6 @@ def test_compile_true_matches_eager_on_cpu():
     assert manager.stats.hits > 0 and manager.stats.compile_seconds > 0
 
 
-def test_compile_refuses_piecewise_modes():
-    with pytest.raises(ValueError, match=r"compile=True.*'piecewise'.*: full, full_uniform_only"):
-        EncoderGraphManager(
-            ToyEncoder(ToyTower()), mode="piecewise", compile=True, capture="first_use"
-        )
-
-
 def test_compile_is_refused_where_the_mode_captures_no_graph():
     # It would compile nothing: refused, not dropped.
     with pytest.raises(ValueError, match=r"compile=True.*mode 'none' captures no graph"):

@@ -173,9 +173,7 @@ def test_compiled_graphs_that_equal_eager_are_kept(monkeypatch):
     assert all(graph.checked_padding is not None for graph in manager.cache.graphs())
 
 
-@pytest.mark.parametrize(
-    "options", [{}, {"compile": False}, {"mode": "piecewise"}, {"mode": "none"}]
-)
+@pytest.mark.parametrize("options", [{}, {"compile": False}, {"mode": "none"}])
 def test_nothing_compiles_unless_compile_is_true(options):
     manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), **options)
     assert manager.config.compile is False and manager.compiled_encoder is None

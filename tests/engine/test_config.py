@@ -62,13 +62,3 @@ def test_compile_only_options_are_accepted_with_compile():
 def test_a_bad_budget_key_is_named_with_the_option_that_holds_it(options, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         GraphConfig.from_options(**options)
-
-
-@pytest.mark.parametrize(
-    "option", [{"splitting_ops": ["aten::softmax"]}, {"piecewise_fallback": "eager"}]
-)
-def test_piecewise_options_are_refused_where_no_mode_splits(option):
-    (name,) = option
-    with pytest.raises(ValueError, match=f"{name}=.* mode='full': drop it"):
-        GraphConfig.from_options(mode="full", **option)
-    assert getattr(GraphConfig.from_options(mode="full_and_piecewise", **option), name)

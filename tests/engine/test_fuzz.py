@@ -27,8 +27,6 @@ MANAGERS = {
     ),
     "full/explicit": dict(mode="full", budgets=BudgetConfig(budgets=[8, 24, 64])),
     "full_uniform_only": dict(mode="full_uniform_only"),
-    "piecewise": dict(mode="piecewise"),
-    "full_and_piecewise": dict(mode="full_and_piecewise"),
     "none": dict(mode="none"),
 }
 

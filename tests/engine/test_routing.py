@@ -5,11 +5,8 @@ import random
 
 import pytest
 import torch
-from torch import nn
 from toy_encoder import ToyEncoder, ToyInputs, ToyTower
 
-from lightning_cg.adapters.batched import BatchedEncoderAdapter
-from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.engine.routing import SubBatch
 
@@ -195,29 +192,3 @@ def test_one_calls_eager_run_gives_each_key_one_timing():
 
     assert manager.stats.sub_batches == 4 and manager.stats.hits == 0
     assert [(key.descriptor.num_tokens, tokens) for key, _, tokens in eager_timings] == [(64, 160)]
-
-
-def test_a_plan_changed_by_a_capture_fault_routes_by_the_key_that_serves():
-    # PIECEWISE cannot split an attention-free tower: piecewise_fallback="full" replans
-    # the path as FULL during the capture, and the FULL key serves, is timed and sighted.
-    torch.manual_seed(0)
-    adapter = BatchedEncoderAdapter(nn.Linear(6, 5).eval())
-    manager = EncoderGraphManager(
-        adapter,
-        budgets={"budgets": [4, 8]},
-        mode="piecewise",
-        piecewise_fallback="full",
-        capture="first_use",
-    )
-    sighted = recorded(manager, "sighted")
-    replays = recorded(manager, "record_replay")
-    x = torch.randn(3, 6)
-    with pytest.warns(RuntimeWarning, match="fall back to mode 'full'"), torch.no_grad():
-        output = manager.execute(adapter.inputs_from_call((x,), {}))
-
-    torch.testing.assert_close(output, adapter.tower(x).detach())
-    (served,) = manager.cache.keys()
-    assert served.mode is GraphMode.FULL and manager.stats.hits == 1
-    assert [key.mode for key, *_ in sighted] == [GraphMode.PIECEWISE, GraphMode.FULL]
-    assert [key for key, _ in replays] == [served]
-    assert manager.stats.padded_tokens == served.descriptor.num_tokens - 3
