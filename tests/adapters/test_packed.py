@@ -2,6 +2,7 @@ import random
 
 import pytest
 import torch
+from packed_calls import packed_tower
 
 from examples.models.packed_vit import PackedViT, PackedViTConfig, patchify
 from lightning_cg.adapters import adapter_for, packed
@@ -14,20 +15,6 @@ from lightning_cg.engine.encoder import CaptureSpec, GraphableEncoder, ItemSpec
 
 PATCH = 4
 SIDES = (8, 16, 24, 32)  # multiples of patch * merge
-
-
-def tiny_tower(global_view: bool = False, device: str = "cpu") -> PackedViT:
-    torch.manual_seed(0)
-    config = PackedViTConfig(
-        hidden_size=64,
-        depth=2,
-        num_heads=4,
-        patch_size=PATCH,
-        out_hidden_size=32,
-        global_view=global_view,
-        global_grid=4,
-    )
-    return PackedViT(config).to(device).eval()
 
 
 def random_items(seed: int, count: int, max_frames: int = 3) -> list[torch.Tensor]:
@@ -73,7 +60,7 @@ def capture_spec(adapter, inputs, path: str, token_budget: int, max_frames: int)
 def test_padded_replay_matches_eager_and_tower_forward(seed, global_view):
     """The manager by hand: sub-batches in shuffled order share one set of static
     buffers per path, larger than any of them needs."""
-    tower = tiny_tower(global_view)
+    tower = packed_tower(global_view=global_view)
     adapter = PackedEncoderAdapter(tower, max_frames_per_item=3)
     patches, grid_thw = patchify(random_items(seed, count=7), PATCH)
     inputs = adapter.inputs_from_call((patches, grid_thw), {})
@@ -103,7 +90,7 @@ def test_padded_replay_matches_eager_and_tower_forward(seed, global_view):
 
 
 def test_capture_inputs_are_a_valid_batch():
-    adapter = PackedEncoderAdapter(tiny_tower())
+    adapter = PackedEncoderAdapter(packed_tower())
     inputs = adapter.inputs_from_call(patchify([torch.randn(3, 8, 8)], PATCH), {})
     spec = capture_spec(adapter, inputs, LOCAL_PATH, token_budget=12, max_frames=5)
     buffers = adapter.capture_inputs(spec)
@@ -120,7 +107,7 @@ def test_capture_inputs_are_a_valid_batch():
 
 @pytest.mark.parametrize("global_view", [False, True])
 def test_graph_config_and_item_specs(global_view):
-    adapter = PackedEncoderAdapter(tiny_tower(global_view), max_frames_per_item=4)
+    adapter = PackedEncoderAdapter(packed_tower(global_view=global_view), max_frames_per_item=4)
     assert isinstance(adapter, GraphableEncoder)
     config = adapter.graph_config()
     assert list(config.paths) == [LOCAL_PATH, GLOBAL_PATH]
@@ -148,7 +135,7 @@ def test_graph_config_and_item_specs(global_view):
 
 def test_item_specs_of_sizes_seen_before_and_past_the_kept_maximum(monkeypatch):
     monkeypatch.setattr(packed, "MAX_KEPT_ITEM_SPECS", 2)
-    adapter = PackedEncoderAdapter(tiny_tower(global_view=True), max_frames_per_item=3)
+    adapter = PackedEncoderAdapter(packed_tower(global_view=True), max_frames_per_item=3)
     grids = [[(1, 4, 6), (2, 2, 2)], [(2, 2, 2), (1, 4, 6), (3, 2, 4)], [(1, 4, 6), (1, 8, 2)]]
     for grid in grids * 2:
         inputs = adapter.inputs_from_call(
@@ -162,7 +149,7 @@ def test_item_specs_of_sizes_seen_before_and_past_the_kept_maximum(monkeypatch):
 
 
 def test_select_items_keeps_the_requested_order():
-    adapter = PackedEncoderAdapter(tiny_tower())
+    adapter = PackedEncoderAdapter(packed_tower())
     items = [torch.randn(3, 8, 8), torch.randn(2, 3, 8, 16), torch.randn(3, 16, 8)]
     inputs = adapter.inputs_from_call(patchify(items, PATCH), {})
     sub = adapter.select_items(inputs, [2, 0])
@@ -174,7 +161,7 @@ def test_select_items_keeps_the_requested_order():
 
 
 def test_select_items_of_consecutive_items_are_views():
-    adapter = PackedEncoderAdapter(tiny_tower())
+    adapter = PackedEncoderAdapter(packed_tower())
     items = [torch.randn(3, 8, 8), torch.randn(2, 3, 8, 16), torch.randn(3, 16, 8)]
     inputs = adapter.inputs_from_call(patchify(items, PATCH), {})
     sub = adapter.select_items(inputs, [1, 2])
@@ -187,7 +174,7 @@ def test_select_items_of_consecutive_items_are_views():
 
 
 def test_adapter_never_calls_tower_forward():
-    tower = tiny_tower(global_view=True)
+    tower = packed_tower(global_view=True)
     adapter = PackedEncoderAdapter(tower)
     inputs = adapter.inputs_from_call(patchify(random_items(3, count=3), PATCH), {})
 
@@ -205,7 +192,7 @@ def test_adapter_never_calls_tower_forward():
 
 
 def test_postprocess_of_an_empty_batch():
-    adapter = PackedEncoderAdapter(tiny_tower(global_view=True).double())
+    adapter = PackedEncoderAdapter(packed_tower(global_view=True).double())
     inputs = adapter.inputs_from_call((torch.zeros(0, 48), torch.zeros(0, 3, dtype=torch.long)), {})
     out = adapter.postprocess([], inputs)
     assert out.shape == (0, 32) and out.dtype == torch.float64
@@ -220,7 +207,7 @@ def test_postprocess_of_an_empty_batch():
     ],
 )
 def test_positional_and_keyword_calls_read_the_same_inputs(call):
-    adapter = PackedEncoderAdapter(tiny_tower())
+    adapter = PackedEncoderAdapter(packed_tower())
     patches, grid_thw = patchify([torch.randn(3, 8, 8), torch.randn(3, 16, 8)], PATCH)
     inputs = adapter.inputs_from_call(*call(patches, grid_thw))
     assert inputs.pixel_patches is patches and inputs.grid_thw is grid_thw
@@ -237,13 +224,13 @@ def test_positional_and_keyword_calls_read_the_same_inputs(call):
     ],
 )
 def test_a_call_that_does_not_bind_names_the_argument(args, kwargs, message):
-    adapter = PackedEncoderAdapter(tiny_tower())
+    adapter = PackedEncoderAdapter(packed_tower())
     with pytest.raises(TypeError, match=message):
         adapter.inputs_from_call(args, kwargs)
 
 
 def test_the_device_check_follows_the_tower_after_the_adapter_is_made():
-    tower = tiny_tower()
+    tower = packed_tower()
     adapter = PackedEncoderAdapter(tower)
     call = patchify([torch.randn(3, 8, 8)], PATCH)
     adapter.inputs_from_call(call, {})
@@ -271,13 +258,13 @@ def test_the_device_check_follows_the_tower_after_the_adapter_is_made():
     ],
 )
 def test_bad_inputs_name_the_argument(patches, grid_thw, message):
-    adapter = PackedEncoderAdapter(tiny_tower())
+    adapter = PackedEncoderAdapter(packed_tower())
     with pytest.raises(ValueError, match=message):
         adapter.inputs_from_call((patches, grid_thw), {})
 
 
 def test_unknown_path():
-    adapter = PackedEncoderAdapter(tiny_tower())
+    adapter = PackedEncoderAdapter(packed_tower())
     with pytest.raises(ValueError, match="unknown encoder path 'thumbnail'"):
         adapter.token_budget_range("thumbnail")
 
@@ -292,14 +279,14 @@ def test_unknown_path():
 )
 def test_constructor_errors_name_the_argument(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        PackedEncoderAdapter(tiny_tower(), **kwargs)
+        PackedEncoderAdapter(packed_tower(), **kwargs)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cuda_graph_replay_matches_eager(dtype, tolerance):
     """Capture each path once, then replay two different batches through it."""
-    tower = tiny_tower(global_view=True, device="cuda").to(dtype)
+    tower = packed_tower(global_view=True, device="cuda").to(dtype)
     adapter = PackedEncoderAdapter(tower, max_frames_per_item=3)
     batches = []
     for seed in (4, 5):
