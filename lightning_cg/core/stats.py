@@ -12,11 +12,11 @@ class GraphStats:
     A hit is one path of one sub-batch served by a graph, a miss one run eagerly: split by
     reason in ``eager_*``, except where graphs are off (mode ``none``) or a capture fault
     turned the path eager, which count as misses alone. Graphs count CUDA graphs held (one
-    per key). Pool bytes: reserved CUDA memory
-    growth while capturing. Weight copy bytes: the low-precision weight copies graphs read
-    (held while graphs are). Host seconds: served replays' host time (nothing waits for
-    the GPU); launch seconds: its graph-launch part. Compile seconds: a compiled encoder's
-    first forwards (part of capture). Checked replays: replays also run eagerly to compare.
+    per key). Pool bytes: reserved CUDA memory growth while capturing. Weight copy bytes:
+    the low-precision weight copies graphs read (held while graphs are). Host seconds:
+    served replays' host time (nothing waits for the GPU); launch seconds: its
+    graph-launch part. Compile seconds: a compiled encoder's first forwards (part of
+    capture). Checked replays: replays also run eagerly to compare.
     """
 
     hits: int = 0

@@ -130,11 +130,11 @@ class GraphConfig:
             ``budgets`` (keys are not merged).
         max_items_per_batch: most items in one sub-batch; None derives it from the budgets.
         max_frames_per_batch: attention sequences a graph holds; None is
-            ``max_items_per_batch * max_frames_per_item``. Larger sub-batches skip FULL.
+            ``max_items_per_batch * max_frames_per_item``. Larger sub-batches run eagerly.
         compile: capture a ``torch.compile``'d graph forward (``full``, ``full_uniform_only``).
         capture: ``paid_back`` once a key's capture should pay for itself, ``first_use`` when
             a batch first needs it, ``upfront`` a path's whole ladder at its first call.
-        cast_weights_per_run: under autocast, FULL graphs read low-precision weight copies
+        cast_weights_per_run: under autocast, graphs read low-precision weight copies
             refreshed each run; false: every replay casts (and sees weights changed mid-run).
     """
 
