@@ -33,7 +33,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     cuda-tests|cuda-slow)
-      # Two steps: the whole cuda suite outlasts one call's time limit.
+      # Two steps: a call that runs out of time still brings back the first one's log.
       # No -q: the project's addopts hold one, and a second hides the counts line.
       marker="cuda and not slow"
       [ "$step" = cuda-slow ] && marker="cuda and slow"
