@@ -1,8 +1,10 @@
-"""A padded graph serves a key only once its output on real rows matched eager.
+"""A graph serves a key only once its output on real rows matched eager.
 
 Padding adds rows the tower never saw eagerly; a tower whose rows interact would
-change its real rows' outputs. The engine compares a graph's first padded replay
-with eager on the same items, and sends a key that differs to eager for good.
+change its real rows' outputs, and a graph forward that reads a value fixed at capture
+changes them in any replay. The engine compares a graph's first replay, and its first
+with each kind of padding, with eager on the same items, and sends a key that differs
+to eager for good.
 """
 
 import warnings
