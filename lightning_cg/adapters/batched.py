@@ -157,6 +157,10 @@ def fixed_image_side(tower: nn.Module) -> int | None:
 def dummy_rows(
     count: int, item_shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Valid capture data: ``count`` random rows (zeros for integer and boolean dtypes)."""
-    make = torch.randn if dtype.is_floating_point else torch.zeros
-    return make((count, *item_shape), dtype=dtype, device=device)
+    """Valid capture data: ``count`` random rows (zeros for integer and boolean dtypes),
+    drawn from a generator of their own: the user's random stream is left as it was."""
+    shape = (count, *item_shape)
+    if not dtype.is_floating_point:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(shape, dtype=dtype, device=device, generator=generator)

@@ -2,7 +2,10 @@
 
 A key is captured once a graph is expected to gain and either the calls known to come
 repay its capture, or the eager time spent on it reaches its capture cost (ski rental).
-A graph measured slower than its key's eager runs sends the key back to eager.
+Until a path has a graph, its most frequent key is captured as a trial once its capture
+costs at most :data:`TRIAL_SHARE` of the path's eager time to come: the path's later
+decisions then scale a measured replay instead of trusting a prior. A graph measured
+slower than its key's eager runs sends the key back to eager.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ PRIOR_CAPTURE_RATIO = 5.0
 FIRST_CAPTURE_FACTOR = 4.0
 #: Eager calls per path kept for its cost line.
 PATH_SAMPLES = 32
+#: Largest share of a path's eager time to come that its trial capture may cost.
+TRIAL_SHARE = 0.05
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
@@ -79,6 +84,15 @@ class PathCosts:
     token_counts: set[int] = field(default_factory=set)
     #: Seconds per token of the eager calls' least-squares line (None: not yet positive).
     per_token: float | None = None
+    #: Whether a key of the path was captured: its trial is over.
+    captured: bool = False
+
+    @property
+    def seconds_per_call(self) -> float | None:
+        """Mean seconds of the path's timed eager calls."""
+        if not self.eager_calls:
+            return None
+        return statistics.fmean(seconds for _, seconds in self.eager_calls)
 
     def add_call(self, tokens: int, seconds: float) -> None:
         if len(self.eager_calls) < PATH_SAMPLES:
@@ -180,6 +194,8 @@ class CapturePolicy:
         first = self._process.count == 0
         self._process.count += keys
         record = self._keys.get(key)
+        if record is not None:
+            self._path(record.path).captured = True
         if record is not None and record.eager and not first:
             record.capture_ratio = seconds / max(keys, 1) / record.eager
 
@@ -197,6 +213,8 @@ class CapturePolicy:
         record = self._keys[key]
         if record.sightings < MIN_SIGHTINGS or record.eager is None:
             return WAIT
+        if self._trial_pays(record):
+            return CAPTURE
         gain = record.eager - self.graph_estimate(record)
         if gain <= 0:
             return NO_GAIN
@@ -205,6 +223,20 @@ class CapturePolicy:
         if self.known_sightings(record) * gain >= cost or spent >= cost:
             return CAPTURE
         return WAIT
+
+    def _trial_pays(self, record: KeyRecord) -> bool:
+        """Whether ``record``'s key is its path's trial: no key of the path captured yet,
+        none seen more often, and its capture within :data:`TRIAL_SHARE` of the path's eager
+        time known to come (none in a run of unknown length)."""
+        costs = self._path(record.path)
+        if costs.captured or costs.seconds_per_call is None or self._expected_calls is None:
+            return False
+        path_sightings = (r.sightings for r in self._keys.values() if r.path == record.path)
+        if record.sightings < max(path_sightings):
+            return False
+        remaining = max(self._expected_calls - self._run_calls, 0)
+        calls = remaining + self._later_runs * max(self._expected_calls, self._run_calls)
+        return self.capture_estimate(record) <= TRIAL_SHARE * calls * costs.seconds_per_call
 
     def slower_than_eager(self, key: Hashable) -> bool:
         """Whether ``key``'s graph was measured slower than its eager runs."""

@@ -16,7 +16,8 @@ class GraphStats:
     the low-precision weight copies graphs read (held while graphs are). Host seconds:
     served replays' host time (nothing waits for the GPU); launch seconds: its
     graph-launch part. Compile seconds: a compiled encoder's first forwards (part of
-    capture). Checked replays: replays also run eagerly to compare.
+    capture). Checked replays: replays also run eagerly to compare; check seconds: the
+    time those eager runs and comparisons took.
     """
 
     hits: int = 0
@@ -45,11 +46,13 @@ class GraphStats:
     eager_no_graph_for_shape: int = 0
     eager_measured_slower: int = 0  # the key's graph was measured slower than eager
     eager_replay_differs: int = 0  # the key's graph gave other rows than eager on the same items
+    eager_changes_state: int = 0  # the tower's forward changes its buffers: no second call
     eager_compiled_mismatch: int = 0  # a compiled graph differed from eager: compiling ended
     eager_grad_enabled: int = 0  # the call needed gradients, which graphs do not hold
     eager_training: int = 0  # the tower was in train mode (dropout, batch statistics)
     checked_replays: int = 0
     checked_tokens: int = 0
+    check_seconds: float = 0.0
 
     #: Counters that describe what is held, not what a run did: kept by reset_run.
     LIFETIME = ("graphs", "capture_seconds", "pool_bytes", "weight_copy_bytes", "compile_seconds")

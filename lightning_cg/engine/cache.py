@@ -10,6 +10,7 @@ import torch
 
 from lightning_cg.core.dispatcher import BatchDescriptor
 from lightning_cg.engine.encoder import CaptureSpec
+from lightning_cg.engine.replay_checks import CheckSchedule
 from lightning_cg.engine.static_inputs import StaticInputs
 
 
@@ -58,9 +59,8 @@ class CapturedGraph:
     cuda_graph: torch.cuda.CUDAGraph | None = None
     #: The graph's static output, which each replay of ``cuda_graph`` overwrites.
     output: torch.Tensor | None = None
-    #: The kinds of padding (``tokens``, ``items``) of replays that matched eager on their
-    #: real rows: padding of those kinds leaves the real rows alone. None: no replay checked.
-    checked_padding: frozenset[str] | None = None
+    #: Which of its replays are checked against eager.
+    checks: CheckSchedule = field(default_factory=CheckSchedule, repr=False, compare=False)
     #: How each replay rewrites the buffers (and its pinned staging, on CUDA).
     static_inputs: StaticInputs = field(init=False, repr=False, compare=False)
 

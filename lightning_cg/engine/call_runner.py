@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_cg.core.capture_policy import CapturePolicy
 from lightning_cg.core.stats import GraphStats
@@ -29,6 +30,7 @@ from lightning_cg.engine.replay import (
     replay_error,
     row_count_message,
 )
+from lightning_cg.engine.replay_checks import BufferState
 from lightning_cg.engine.routing import Route, Router, SubBatch
 
 
@@ -52,7 +54,10 @@ class CallRunner:
         self.stats = stats
         self.timer = CallTimer()
         self.router = Router(config, plans, cache, capturer, policy, stats, self.timer)
-        #: Called when a compiled graph's first replay differs from eager; None uncompiled.
+        tower = getattr(encoder, "tower", None)
+        #: The module whose buffers a checked replay's eager call must leave as they were.
+        self._tower = tower if isinstance(tower, nn.Module) else None
+        #: Called when a compiled graph's checked replay differs from eager; None uncompiled.
         self.on_compiled_mismatch: Callable[[str], None] | None = None
 
     def forget_graphs(self) -> None:
@@ -162,6 +167,9 @@ class CallRunner:
     def _run_graph(self, call: CallOutputs, route: Route, path: str, sub_batch: SubBatch) -> None:
         key, graph, total = route.key, route.graph, route.tokens
         items = len(sub_batch.indices)
+        padded = padding(graph, total, items)
+        # A checked replay starts from saved buffers and an idle GPU, to time it apart.
+        state = self._before_check() if graph.checks.due(padded) else None
         started = time.perf_counter()
         if self.policy.wants_graph_timing(key):
             with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
@@ -170,10 +178,11 @@ class CallRunner:
         else:
             rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total, items)
         host_seconds = time.perf_counter() - started
-        padded = padding(graph, total, items)
         served = rows
-        if graph.checked_padding is None or not padded <= graph.checked_padding:
-            served = self._checked_against_eager(route, path, sub_batch, rows, padded)
+        if state is None:
+            graph.checks.replayed()
+        else:
+            served = self._checked(route, path, sub_batch, padded, rows, state, started)
         if served is rows:
             # Counted once served: a replay that raised or lost its check is no hit.
             self.stats.hits += 1
@@ -183,46 +192,66 @@ class CallRunner:
             self.stats.launch_seconds += launch_seconds
         call.add(path, sub_batch.indices, served, sub_batch.tokens(path))
 
-    def _checked_against_eager(
+    def _before_check(self) -> BufferState | _NoBuffers:
+        state = _NO_BUFFERS if self._tower is None else BufferState(self._tower)
+        _synchronize()
+        return state
+
+    def _checked(
         self,
         route: Route,
         path: str,
         sub_batch: SubBatch,
-        rows: torch.Tensor,
         padded: frozenset[str],
+        rows: torch.Tensor,
+        state: BufferState | _NoBuffers,
+        started: float,
     ) -> torch.Tensor:
-        """A graph's first replay, and its first with a kind of ``padded`` not yet checked,
-        against eager on the same rows; on a mismatch the eager rows serve.
+        """The same items run eagerly from the buffers the replay saw, and compared.
 
-        A tower whose rows interact changes its real rows when padded, one that reads a
-        value fixed at capture changes them in any replay: its key runs eagerly from then
-        on. A compiled graph that differs drops compiling instead.
+        The replayed ``rows`` serve if they match. Else the eager rows serve and the key
+        runs eagerly from then on: the tower's rows interact (padded replays), its graph
+        reads a value fixed at capture, or its forward changes its buffers (a second call
+        would not be invisible). A compiled graph that differs ends compiling instead.
         """
         graph = route.graph
+        _synchronize()
+        replayed = time.perf_counter()
+        state.restore()
         eager = self._eager(path, sub_batch)
+        changed = state.changed()
+        error = None if changed else replay_error(rows, eager)
+        checked = time.perf_counter()
         self.stats.checked_replays += 1
         self.stats.checked_tokens += route.tokens
-        error = replay_error(rows, eager)
+        self.stats.check_seconds += checked - replayed
+        if changed:
+            self._serve_eagerly(route, "changes_state", changes_state_message(self._tower, changed))
+            return eager
         if error is None:
-            return rows  # cannot be judged on this batch: checked at the next replay
-        if error <= check_tolerance(eager.dtype):
-            graph.checked_padding = padded | (graph.checked_padding or frozenset())
+            # An eager output with NaN or infinity cannot judge the graph: the next replay is.
+            graph.checks.replayed()
             return rows
-        spec = graph.spec
-        where = f"path {path!r}, budget {spec.token_budget}"
+        if error <= check_tolerance(eager.dtype):
+            graph.checks.checked(padded, replayed - started, checked - replayed)
+            return rows
+        where = f"path {path!r}, budget {graph.spec.token_budget}"
         if self.on_compiled_mismatch is not None:
             self.stats.count_eager("compiled_mismatch")
             self.on_compiled_mismatch(
                 f"the compiled graph of {where} differs from eager by relative error {error:.3e}"
             )
-        else:
-            self.router.serve_eagerly(route.key)
-            self.stats.count_eager("replay_differs")
-            tower = type(getattr(self.encoder, "tower", self.encoder)).__name__
-            what = f"{route.tokens} real tokens of {len(sub_batch.indices)} items"
-            message = differs_message(f"{tower}: the graph of {where}", what, error, padded)
-            warnings.warn(message, stacklevel=2)
+            return eager
+        what = f"{route.tokens} real tokens of {len(sub_batch.indices)} items"
+        graph_name = f"{type(self._tower or self.encoder).__name__}: the graph of {where}"
+        message = differs_message(graph_name, what, error, padded)
+        self._serve_eagerly(route, "replay_differs", message)
         return eager
+
+    def _serve_eagerly(self, route: Route, reason: str, message: str) -> None:
+        self.router.serve_eagerly(route.key, reason)
+        self.stats.count_eager(reason)
+        warnings.warn(message, stacklevel=3)
 
     def _eager(self, path: str, sub_batch: SubBatch) -> torch.Tensor:
         rows = self.encoder.eager_forward(path, sub_batch.inputs)
@@ -251,10 +280,40 @@ def differs_message(graph: str, what: str, error: float, padded: frozenset[str])
     )
 
 
+def changes_state_message(tower: nn.Module, buffers: list[str]) -> str:
+    """Why a key whose forward changed ``buffers`` of ``tower`` runs eagerly."""
+    names = ", ".join(buffers[:5]) + (", ..." if len(buffers) > 5 else "")
+    return (
+        f"{type(tower).__name__}'s forward changes its buffers ({names}): a graph's replay "
+        "cannot be checked against eager without a second call, which would change them "
+        "again. This key runs eagerly from now on; the buffers hold what one call left."
+    )
+
+
+class _NoBuffers:
+    """The buffer state of an adapter that names no module: nothing to save."""
+
+    def restore(self) -> None:
+        pass
+
+    def changed(self) -> list[str]:
+        return []
+
+
+_NO_BUFFERS = _NoBuffers()
+
+
+def _synchronize() -> None:
+    # A checked replay waits for the GPU anyway (the comparison reads the error); timing
+    # the replay and the check apart spaces the sampled checks by what they cost.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def padding(graph: CapturedGraph, tokens: int, items: int) -> frozenset[str]:
     """What ``tokens`` real tokens of ``items`` items leave padded in ``graph``: ``tokens``
-    (padding rows) and ``items`` (empty item slots). A check covers only the kinds its
-    replay had: a full batch's rows say nothing of a short batch's padding rows."""
+    (padding rows) and ``items`` (empty item slots). Checks count per kind of padding: a
+    full batch's rows say nothing of a short batch's padding rows."""
     spec = graph.spec
     return frozenset(
         kind

@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from torch import nn
 
 from lightning_cg.core.stats import GraphStats
 from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
@@ -24,6 +25,7 @@ from lightning_cg.engine.faults import (
     CAPTURE_FAILED,
     OUT_OF_MEMORY,
     CaptureFault,
+    ChangesState,
     capture_failed,
     capturing,
     diagnose,
@@ -31,6 +33,7 @@ from lightning_cg.engine.faults import (
 )
 from lightning_cg.engine.plan import PathPlan, PlanRef
 from lightning_cg.engine.replay import graph_context
+from lightning_cg.engine.replay_checks import BufferState
 from lightning_cg.engine.weight_casts import WeightCasts
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,8 @@ class GraphCapturer:
         self.stats = stats
         self.progress = progress
         self.padding_rules = encoder.graph_config().padding_rules
+        tower = getattr(encoder, "tower", None)
+        self._tower = tower if isinstance(tower, nn.Module) else None
         #: The capture error of unknown cause that turned every path eager.
         self.capture_error: str | None = None
 
@@ -158,11 +163,16 @@ class GraphCapturer:
         if pool is None:
             run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
             return CapturedGraph(spec, buffers, run, rules)
+        # Warm-ups run the forward for real: whatever they change in the tower is put back.
+        state = None if self._tower is None else BufferState(self._tower)
         with side_stream():
             cast_dtype = self._warm_up(spec.path, buffers)
         cuda_graph = torch.cuda.CUDAGraph()
         with self._casts_in(cast_dtype), capturing(), torch.cuda.graph(cuda_graph, pool=pool):
             output = self.encoder.graph_forward(spec.path, buffers)
+        if state is not None and (changed := state.changed()):
+            state.restore()
+            raise ChangesState(changed)
         run = _replayer(cuda_graph, output)
         return CapturedGraph(spec, buffers, run, rules, cuda_graph=cuda_graph, output=output)
 

@@ -24,6 +24,14 @@ class CaptureError(RuntimeError):
     """Raised inside a CUDA graph capture by a forward that had just run eagerly."""
 
 
+class ChangesState(RuntimeError):
+    """Raised after a capture whose warm-up forwards changed the tower's buffers."""
+
+    def __init__(self, buffers: list[str]) -> None:
+        names = ", ".join(buffers[:5]) + (", ..." if len(buffers) > 5 else "")
+        super().__init__(f"the forward changed the buffers {names}")
+
+
 @dataclass(frozen=True)
 class CaptureFault:
     """A capture failure the manager can recover from; ``error`` is the first line of
@@ -109,6 +117,14 @@ def diagnose(error: BaseException) -> CaptureFault | None:
                 "lower the path's max_budget or max_items_per_batch",
                 _first_line(link),
             )
+    if isinstance(error, ChangesState):
+        return CaptureFault(
+            UNCAPTURABLE,
+            "the tower's forward changes its buffers (a step counter, a running statistic)",
+            "keep evaluation forwards free of state changes, or run this tower without "
+            "graphs; the buffers were put back as they were before the capture",
+            str(error),
+        )
     messages = [(link, str(link).lower()) for link in chain if isinstance(link, Exception)]
     for markers, cause, fix in _UNCAPTURABLE:
         for link, message in messages:

@@ -88,12 +88,13 @@ class Router:
         self.policy = policy
         self.stats = stats
         self.timer = timer
-        #: Keys whose padded graph differed from eager: served eagerly for good.
-        self._eager_keys: set[GraphKey] = set()
+        #: Keys a checked replay sent to eager for good, and why (an ``eager_*`` reason).
+        self._eager_keys: dict[GraphKey, str] = {}
 
-    def serve_eagerly(self, key: GraphKey) -> None:
-        """Run ``key`` eagerly from now on (its graph stays until the cache is cleared)."""
-        self._eager_keys.add(key)
+    def serve_eagerly(self, key: GraphKey, reason: str) -> None:
+        """Run ``key`` eagerly from now on, counted as ``eager_{reason}`` (its graph stays
+        until the cache is cleared)."""
+        self._eager_keys[key] = reason
 
     def route(self, planned: PathRoute, sub_batch: SubBatch) -> Route:
         """How the planned path of ``sub_batch`` runs: its graph, or eagerly and why (counted)."""
@@ -118,8 +119,8 @@ class Router:
     ) -> tuple[GraphKey | None, CapturedGraph | None, str]:
         """The key that serves ``key``'s sub-batch and its graph, captured now if the policy
         says it pays; else why not ("" for a path a capture fault turned eager)."""
-        if key in self._eager_keys:
-            return key, None, "replay_differs"
+        if (reason := self._eager_keys.get(key)) is not None:
+            return key, None, reason
         graph = self.cache.get(key)
         if graph is not None:
             if self.policy.slower_than_eager(key):

@@ -295,8 +295,8 @@ def test_buffers_leave_inference_mode_and_runs_stay_in_the_callers(inference_mod
     # replay writes from the caller's mode, the mode its eager runs use too.
     buffers = [buffer for graph in manager.cache.graphs() for buffer in graph.buffers.values()]
     assert buffers and not any(buffer.is_inference() for buffer in buffers)
-    # Eager: the item over the budget in each call, and the first padded replay's check.
-    assert seen == {"eager_forward": [inference_mode] * 3, "graph_forward": [inference_mode] * 2}
+    # Eager: the item over the budget in each call, and both padded replays' checks.
+    assert seen == {"eager_forward": [inference_mode] * 4, "graph_forward": [inference_mode] * 2}
     assert output.is_inference() == inference_mode
 
 
@@ -319,15 +319,15 @@ def test_a_float32_replay_off_by_one_part_in_a_thousand_is_served_eagerly():
     assert manager.stats.eager_replay_differs == 1 and manager.stats.hits == 0
 
 
-def test_a_correct_graph_is_checked_once_per_kind_of_padding():
+def test_a_correct_graph_is_checked_at_its_first_replays_of_each_kind_of_padding():
     tower = ToyTower().eval()
     manager = manager_for(tower, budgets=BudgetConfig(budgets=[32]))
     with torch.no_grad():
         for seed in (7, 8):
             run(manager, *make_batch(random.Random(seed), [5, 6]))
     [graph] = manager.cache.graphs()
-    assert graph.checked_padding == {"tokens", "items"}
-    assert (manager.stats.checked_replays, manager.stats.hits) == (1, 2)
+    assert graph.checks.passed == {frozenset({"tokens", "items"}): 2}
+    assert (manager.stats.checked_replays, manager.stats.hits) == (2, 2)
 
 
 def test_clear_drops_graphs_and_recaptures():
