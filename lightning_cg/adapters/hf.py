@@ -4,6 +4,15 @@ Each batch row is one item on the path ``image``. Hashable options (and the conf
 defaults) key the graphs; per-item tensors are split like the pixels, other tensors copied
 whole; the output is carried as rows (:class:`~lightning_cg.adapters.row_outputs.TreeLayout`).
 transformers is an optional dependency: imported only when needed, never to recognise a tower.
+
+The engine moves one row tensor per path, graphed or eager, and checks a replay's rows
+against eager rows by relative error. Every field comes back bit-identical in dtype and
+value: float fields travel as values in their promoted float dtype (an exact widening),
+which sets the check's tolerance; integer, boolean and other fields beside them (a VQ
+tokenizer's codes, ids, masks) travel byte by byte as tiny positive normal floats, which
+copies keep exactly and which weigh nothing in the check, so it still judges the float
+fields. Casting them to the float dtype instead would round codes (above 2**24 in float32,
+above 256 in bfloat16); reading their raw bits as floats would give NaNs that void the check.
 """
 
 from __future__ import annotations

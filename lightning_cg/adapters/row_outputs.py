@@ -3,13 +3,26 @@
 :class:`TokenLayout`: a Qwen tower's merged tokens and patch-level states (``merge**2`` rows
 per token) side by side. :class:`TreeLayout`: every tensor of a batch-first tower's pytree
 output (transformers registers every ``ModelOutput``; None fields stay None), per batch row.
+
+A row tensor has one dtype, its carrier (:func:`carrier_dtype`), and every field comes back
+bit-identical in dtype and value. Float fields (float16, bfloat16, float32, float64) travel
+as values in their promoted dtype, a widening that is exact; the replay-vs-eager check
+measures them at that dtype's tolerance, as for a tower of float fields only. Any other
+field beside them (integer codes, ids, boolean masks) travels as its bytes, one per element
+of the carrier: the float whose bits are the byte plus :data:`_BYTE_BASE`, a positive normal
+number below 2**-12 (float16) or 2**-123 (wider). Copies keep its bits, flush-to-zero never
+touches it, and it weighs nothing in the check's norm, so a relative error still judges the
+float fields alone; a value cast to a float would round (int64 codes in float32 beyond
+2**24, indices in bfloat16 beyond 256), and raw bit patterns read as floats would be NaN
+and disable the check. Without float fields the carrier is the fields' one dtype, compared
+by value, or bytes (uint8) for fields of several dtypes.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +38,18 @@ from torch.utils._pytree import (
 
 #: Each container a field may be, and how to build it from the field's tensors.
 _CONTAINERS = {"tensor": lambda tensors: tensors[0], "tuple": tuple, "list": list}
+#: Float dtypes whose promoted dtype holds every value of each exactly.
+_FLOAT_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Bits of twice each carrier's smallest normal number: plus a byte, a positive normal float.
+_BYTE_BASE = {
+    torch.float16: 1 << 11,
+    torch.bfloat16: 1 << 8,
+    torch.float32: 1 << 24,
+    torch.float64: 1 << 53,
+    torch.uint8: 0,
+}
+#: The integer dtype of each size, whose values a carrier's bits are read as.
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -100,12 +125,47 @@ def _unsplittable(name: str, what: str) -> str:
     )
 
 
+def carrier_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype of the rows that carry fields of ``dtypes`` exactly: the float fields'
+    promoted dtype; without float fields, the fields' one dtype, or uint8 for several."""
+    floats = [dtype for dtype in dtypes if dtype in _FLOAT_CARRIERS]
+    if floats:
+        return functools.reduce(torch.promote_types, floats)
+    return dtypes[0] if len(set(dtypes)) == 1 else torch.uint8
+
+
+def _as_bytes(dtype: torch.dtype, carrier: torch.dtype) -> bool:
+    """Whether a field of ``dtype`` travels in ``carrier`` rows as its bytes, not its values."""
+    return dtype != carrier and dtype not in _FLOAT_CARRIERS
+
+
+def _columns(tensor: torch.Tensor, batch_size: int, carrier: torch.dtype) -> torch.Tensor:
+    """``tensor`` as ``[batch_size, W]`` columns of ``carrier``: its values, or its bytes."""
+    flat = tensor.reshape(batch_size, -1)
+    if not _as_bytes(tensor.dtype, carrier):
+        return flat.to(carrier)
+    bits = flat.contiguous().view(torch.uint8).to(_BITS_OF_SIZE[carrier.itemsize])
+    return (bits + _BYTE_BASE[carrier]).view(carrier)
+
+
 @dataclass(frozen=True)
 class FieldLayout:
     """One tensor of a structured output: its shape after the batch dimension and dtype."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    def width(self, carrier: torch.dtype) -> int:
+        """Columns of ``carrier`` that one item's tensor takes: an element or byte each."""
+        size = self.dtype.itemsize if _as_bytes(self.dtype, carrier) else 1
+        return math.prod(self.shape) * size
+
+    def from_columns(self, columns: torch.Tensor, carrier: torch.dtype) -> torch.Tensor:
+        """The tensor of the items whose ``carrier`` columns are ``columns``, contiguous."""
+        if _as_bytes(self.dtype, carrier):
+            bits = columns.view(_BITS_OF_SIZE[carrier.itemsize]) - _BYTE_BASE[carrier]
+            columns = bits.to(torch.uint8).contiguous().view(self.dtype)
+        return columns.reshape(len(columns), *self.shape).to(self.dtype).contiguous()
 
 
 @dataclass(frozen=True)
@@ -114,6 +174,11 @@ class TreeLayout:
 
     treespec: TreeSpec
     fields: tuple[FieldLayout | None, ...]
+
+    @functools.cached_property
+    def carrier(self) -> torch.dtype:
+        """The dtype of the rows (:func:`carrier_dtype` of the fields')."""
+        return carrier_dtype([field.dtype for field in self.fields if field is not None])
 
     @classmethod
     def of(cls, output: Any, batch_size: int) -> TreeLayout:
@@ -148,21 +213,21 @@ class TreeLayout:
 
     def unflatten(self, rows: torch.Tensor) -> Any:
         """The output of the items whose rows are ``rows [N, W]``, fields contiguous."""
-        count = rows.shape[0]
+        carrier = self.carrier
         tensors = [field for field in self.fields if field is not None]
-        columns = iter(rows.split([math.prod(field.shape) for field in tensors], dim=1))
+        columns = iter(rows.split([field.width(carrier) for field in tensors], dim=1))
         leaves = [
-            None
-            if field is None
-            else next(columns).reshape(count, *field.shape).to(field.dtype).contiguous()
+            None if field is None else field.from_columns(next(columns), carrier)
             for field in self.fields
         ]
         return tree_unflatten(leaves, self.treespec)
 
 
 def output_rows(output: Any, batch_size: int) -> torch.Tensor:
-    """Every tensor of ``output`` flattened per item into ``[batch_size, W]``, no host syncs."""
+    """Every tensor of ``output`` flattened per item into ``[batch_size, W]`` of its
+    :func:`carrier_dtype`, from which :meth:`TreeLayout.unflatten` rebuilds it exactly; no
+    host syncs."""
     leaves = [leaf for leaf in tree_leaves(output) if leaf is not None]
-    dtype = functools.reduce(torch.promote_types, (leaf.dtype for leaf in leaves))
-    flat = [leaf.reshape(batch_size, -1).to(dtype) for leaf in leaves]
+    carrier = carrier_dtype([leaf.dtype for leaf in leaves])
+    flat = [_columns(leaf, batch_size, carrier) for leaf in leaves]
     return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
