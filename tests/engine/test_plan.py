@@ -105,3 +105,17 @@ def test_a_plan_remembers_a_bounded_number_of_call_shapes(monkeypatch):
     assert len(manager.plans.plan._calls) <= 3 and len(manager.plans.plan._keys) <= 3
     # Forgotten shapes are planned again, as before.
     assert call_plan(manager, [1]) == plans[0] and call_plan(manager, [8]) == plans[-1]
+
+
+def test_a_sub_batch_holds_no_more_items_than_the_tightest_path_allows():
+    # local at min_budget 16 holds 64 // 16 = 4 items; global (1 to 8 tokens) holds 8.
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(
+        ToyEncoder(tower), paths={"local": {"min_budget": 16}}, capture="first_use"
+    )
+    lengths = [2] * 8  # 16 tokens: one budget would hold them all, the cap does not
+    assert [len(sub_batch.indices) for sub_batch in call_plan(manager, lengths)] == [4, 4]
+    tokens, lengths = toy_call(lengths)
+    with torch.no_grad():
+        torch.testing.assert_close(run(manager, tokens, lengths), tower(tokens, lengths))
+    assert manager.stats.sub_batches == 2 and manager.stats.hits == 2
