@@ -63,3 +63,16 @@ def test_a_grid_on_the_meta_device_is_refused_by_name():
     with pytest.raises(ValueError, match="grid_thw is on the meta device, which holds no values"):
         read_packed_call(patches, grid_thw, patch_dim=48, merge=1, device=None)
     assert read_packed_call(patches, torch.tensor([[1, 4, 4]]), 48, 1, None) == [(1, 4, 4)]
+
+
+@pytest.mark.parametrize(
+    "thw",
+    [[0, 2, 2], [1, 0, 2], [1, 2, 0], [-1, 2, 2], [1, 2, 3]],
+    ids=["no-frames", "no-rows", "no-columns", "negative-frames", "columns-not-merged"],
+)
+def test_an_empty_or_unmergeable_item_is_refused_by_its_index(thw):
+    grid_thw = torch.tensor([[1, 2, 2], thw])
+    rows = 4 + max(0, thw[0] * thw[1] * thw[2])
+    t, h, w = thw
+    with pytest.raises(ValueError, match=rf"grid_thw\[1\] is \[{t}, {h}, {w}\]; frames must be"):
+        read_packed_call(torch.zeros(rows, 48), grid_thw, patch_dim=48, merge=2, device=None)

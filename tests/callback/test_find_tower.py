@@ -125,6 +125,14 @@ def test_two_towers_are_refused_listing_both_paths():
     assert callback.manager is None and callback.module is None and model.steps == 0
 
 
+def test_a_tower_whose_name_extends_another_towers_is_a_second_tower_not_its_part():
+    # "images_hd" starts with "images" but is no submodule of it.
+    model = Holder(images=resnet18(num_classes=4), images_hd=resnet18(num_classes=4))
+    with pytest.raises(ValueError, match="found 2 vision towers") as refused:
+        find_tower(model)
+    assert "'images' (ResNet), 'images_hd' (ResNet)" in str(refused.value)
+
+
 def test_no_tower_is_refused_saying_how_to_name_one():
     model = Holder(body=nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     callback = CUDAGraphCallback()

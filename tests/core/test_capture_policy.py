@@ -200,6 +200,28 @@ def test_a_measured_graph_replaces_the_prior_per_padded_token():
     assert policy.decide("large") == NO_GAIN
 
 
+@pytest.mark.parametrize(
+    ("size", "nearest_ratio"), [(96, 0.2), (768, 0.8)], ids=["near-small", "near-large"]
+)
+def test_an_unmeasured_graph_is_scaled_from_the_nearest_measured_size(size, nearest_ratio):
+    policy = policy_for(expected_calls=100)
+    for key, budget, ratio in (("small", 64, 0.2), ("large", 1024, 0.8)):
+        see(policy, key, eager_s=0.010, size=budget)
+        for _ in range(SAMPLES):
+            policy.record_replay(key, 0.010 * ratio)  # graph / eager of a full budget
+    see(policy, "new", eager_s=0.010, size=size)
+    assert policy.estimates("new")["graph_s"] == pytest.approx(0.010 * nearest_ratio)
+
+
+def test_eager_calls_that_take_as_long_at_every_size_give_no_cost_per_token():
+    # A flat line promises no graph for free: the prior stands.
+    policy = policy_for(expected_calls=1000)
+    for tokens in (64, 1024):
+        policy.record_eager_call("local", tokens, 0.010)
+    see(policy, "a", eager_s=0.010, size=1024, tokens=1024)
+    assert policy.estimates("a")["graph_s"] == pytest.approx(PRIOR_GRAPH_RATIO * 0.010)
+
+
 def test_slower_than_eager_needs_enough_replays_and_can_be_turned_off():
     for drop, expected in ((True, True), (False, False)):
         policy = policy_for(expected_calls=100, drop_slower_graphs=drop)

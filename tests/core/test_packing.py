@@ -99,6 +99,12 @@ def test_next_fit_by_hand():
     assert pack_items(items, 2, caps) == [[5, 1], [3, 0], [2], [4]]
 
 
+def test_an_item_at_a_largest_budget_fits_beside_items_without_tokens_on_that_path():
+    # 64 local tokens fill the local budget exactly: not oversize, so the item of
+    # global tokens only shares its sub-batch.
+    assert pack_items([{"local": 64}, {"global": 8}], 4, {"local": 64, "global": 20}) == [[1, 0]]
+
+
 def test_empty_input():
     assert pack_items([], 4, {"p": 8}) == []
 

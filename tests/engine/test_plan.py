@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from test_faults import FailingEncoder, out_of_memory
-from test_manager import run
+from test_manager import capture_every_key, run
 from toy_encoder import ToyEncoder, ToyTower
 
 from lightning_cg.engine import plan as plan_module
@@ -105,3 +105,41 @@ def test_a_plan_remembers_a_bounded_number_of_call_shapes(monkeypatch):
     assert len(manager.plans.plan._calls) <= 3 and len(manager.plans.plan._keys) <= 3
     # Forgotten shapes are planned again, as before.
     assert call_plan(manager, [1]) == plans[0] and call_plan(manager, [8]) == plans[-1]
+
+
+def test_a_sub_batch_holds_no_more_items_than_the_tightest_path_allows():
+    # local at min_budget 16 holds 64 // 16 = 4 items; global (1 to 8 tokens) holds 8.
+    tower = ToyTower().eval()
+    manager = EncoderGraphManager(
+        ToyEncoder(tower), paths={"local": {"min_budget": 16}}, capture="first_use"
+    )
+    lengths = [2] * 8  # 16 tokens: one budget would hold them all, the cap does not
+    assert [len(sub_batch.indices) for sub_batch in call_plan(manager, lengths)] == [4, 4]
+    tokens, lengths = toy_call(lengths)
+    with torch.no_grad():
+        torch.testing.assert_close(run(manager, tokens, lengths), tower(tokens, lengths))
+    assert manager.stats.sub_batches == 2 and manager.stats.hits == 2
+
+
+def test_a_max_budget_below_the_adapters_smallest_brings_the_ladder_down_with_it():
+    # ToyEncoder's local path starts at 8 tokens; the user asks for at most 4.
+    manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets={"max_budget": 4})
+    assert list(manager.paths["local"].budgets) == [4]
+
+
+@pytest.mark.parametrize("max_frames", [3, 4], ids=["3-frames", "4-frames"])
+def test_graphs_per_item_count_stop_where_the_most_items_graph_holds_every_frame(max_frames):
+    # One frame an item: past max_frames items, a graph would hold what the 8-item one does.
+    manager = EncoderGraphManager(
+        ToyEncoder(ToyTower().eval(), per_item_metadata=True),
+        budgets={"budgets": [32]},
+        max_items_per_batch=8,
+        max_frames_per_batch=max_frames,
+    )
+    capture_every_key(manager, *toy_call([1]))
+    slots = {
+        key.descriptor.num_items: graph.spec.max_frames
+        for key, graph in manager.cache.items()
+        if key.path == "local"
+    }
+    assert slots == {1: 1, 2: 2, 8: max_frames}

@@ -52,6 +52,18 @@ def test_a_packed_tower_with_its_own_adapter_gives_its_eager_output():
     assert served.stats["hits"] > 0 and served.stats["items"] == 6
 
 
+def test_the_cpu_captures_no_graph_and_its_stats_say_so():
+    # On the CPU, keys "captured" run padded through the graph forward: hits, no graphs.
+    torch.manual_seed(0)
+    tower = ToyTower(global_tokens=2)
+    with torch.no_grad(), graphed(tower, adapter=ToyEncoder, capture="first_use") as served:
+        for lengths in ((5, 9, 3), (7, 1), (12,)):
+            tower(*toy_call(lengths))
+    stats = served.stats
+    assert stats["hits"] > 0 and len(served.manager.cache) > 0
+    assert (stats["graphs"], stats["graphs_captured"], stats["capture_seconds"]) == (0, 0, 0)
+
+
 def test_calls_with_grad_enabled_run_eagerly():
     tower = tiny_resnet()
     x = torch.randn(2, 3, 16, 16)
