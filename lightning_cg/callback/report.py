@@ -1,5 +1,6 @@
 """What the callback tells the user (rank zero only): rebinding or recapture and the CPU path at
-a run's start; at its end the stats summed over ranks, logged as ``cudagraph/<name>``."""
+a run's start; at its end the stats summed over ranks (memory: the largest rank's), logged as
+``cudagraph/<name>``."""
 
 from __future__ import annotations
 
@@ -36,20 +37,36 @@ def report_cpu_path() -> None:
     )
 
 
+#: Memory one rank's graphs hold: the largest rank's is reported, as each device must
+#: fit its own graphs; summing over ranks would overstate what one device needs.
+PER_DEVICE = ("pool_bytes", "weight_copy_bytes", "held_bytes")
+
+
 def reduce_stats(trainer: pl.Trainer, stats: Mapping[str, float]) -> dict[str, float]:
-    """Counters summed over ranks, rates recomputed from the sums."""
+    """Counters summed over ranks, memory (:data:`PER_DEVICE`) the largest rank's, rates
+    recomputed from the sums."""
     rates = GraphStats().rates()
-    counters = {name: value for name, value in stats.items() if name not in rates}
-    totals = torch.tensor(
-        list(counters.values()), dtype=torch.float64, device=trainer.strategy.root_device
+    counters = [name for name in stats if name not in rates]
+    summed = [name for name in counters if name not in PER_DEVICE]
+    largest = [name for name in counters if name in PER_DEVICE]
+    reduced = {**_reduce(trainer, stats, summed, "sum"), **_reduce(trainer, stats, largest, "max")}
+    ordered = {name: reduced[name] for name in counters}
+    return {**ordered, **GraphStats(**ordered).rates()}
+
+
+def _reduce(
+    trainer: pl.Trainer, stats: Mapping[str, float], names: list[str], op: str
+) -> dict[str, float]:
+    """``stats[name]`` of each of ``names`` reduced over ranks by ``op``."""
+    values = torch.tensor(
+        [stats[name] for name in names], dtype=torch.float64, device=trainer.strategy.root_device
     )
-    totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()
-    summed = dict(zip(counters, totals, strict=True))
-    return {**summed, **GraphStats(**summed).rates()}
+    return dict(zip(names, trainer.strategy.reduce(values, reduce_op=op).tolist(), strict=True))
 
 
 def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_cuda: bool) -> None:
-    """Log ``stats`` (summed over ranks) as metrics and tell them in one line."""
+    """Log ``stats`` (reduced over ranks by :func:`reduce_stats`) as metrics and tell them in
+    one line."""
     metrics = {f"cudagraph/{name}": value for name, value in stats.items()}
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
@@ -66,8 +83,17 @@ def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_c
             f"{stats['misses']:.0f} eager runs, hit rate {stats['hit_rate']:.0%}, "
             f"padding waste {stats['padding_waste']:.1%}, "
             f"{stats['graphs_captured']:.0f} graphs captured in "
-            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held; memory: pool "
-            f"{stats['pool_bytes'] / 2**20:.0f} MiB, weight copies "
-            f"{stats['weight_copy_bytes'] / 2**20:.0f} MiB)"
+            f"{stats['capture_seconds_run']:.2f} s ({stats['graphs']:.0f} held; {_memory(stats)})"
             + (f", {compiling:.2f} s of it compiling the graph forward" if compiling else "")
         )
+
+
+def _memory(stats: Mapping[str, float]) -> str:
+    """The device memory the graphs hold, and its parts, in MiB."""
+    pool, copies, held = (
+        stats[name] / 2**20 for name in ("pool_bytes", "weight_copy_bytes", "held_bytes")
+    )
+    return (
+        f"device memory {held:.0f} MiB: pool {pool:.0f} MiB, weight copies {copies:.0f} MiB, "
+        f"input buffers {held - pool - copies:.0f} MiB"
+    )

@@ -12,8 +12,11 @@ class GraphStats:
     A hit is one path of one sub-batch served by a graph, a miss one run eagerly: split by
     reason in ``eager_*``, except where graphs are off (mode ``none``) or a capture fault
     turned the path eager, which count as misses alone. Graphs count CUDA graphs held (one
-    per key). Pool bytes: reserved CUDA memory growth while capturing. Weight copy bytes:
-    the low-precision weight copies graphs read (held while graphs are). Host seconds:
+    per key). Pool bytes: device memory the graphs' shared pool holds (the CUDA caching
+    allocator's segments of the pool, over every capture: outputs and activations). Weight
+    copy bytes: the low-precision weight copies graphs read (held while graphs are). Held
+    bytes: all device memory the graphs hold: pool, weight copies and the static input
+    buffers outside the pool. Host seconds:
     served replays' host time (nothing waits for the GPU); launch seconds: its
     graph-launch part. Compile seconds: a compiled encoder's first forwards (part of
     capture). Checked replays: replays also run eagerly to compare; check seconds: the
@@ -30,6 +33,7 @@ class GraphStats:
     capture_seconds_run: float = 0.0
     pool_bytes: int = 0
     weight_copy_bytes: int = 0
+    held_bytes: int = 0
     sub_batches: int = 0
     items: int = 0
     tokens: int = 0
@@ -55,7 +59,14 @@ class GraphStats:
     check_seconds: float = 0.0
 
     #: Counters that describe what is held, not what a run did: kept by reset_run.
-    LIFETIME = ("graphs", "capture_seconds", "pool_bytes", "weight_copy_bytes", "compile_seconds")
+    LIFETIME = (
+        "graphs",
+        "capture_seconds",
+        "pool_bytes",
+        "weight_copy_bytes",
+        "held_bytes",
+        "compile_seconds",
+    )
 
     @property
     def hit_rate(self) -> float:

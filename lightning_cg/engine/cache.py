@@ -136,6 +136,11 @@ class GraphCache:
         return self._pool
 
     @property
+    def pool_handle(self) -> Any:
+        """The pool's ``torch.cuda.graph_pool_handle()``, or None before the first capture."""
+        return self._pool
+
+    @property
     def has_pool(self) -> bool:
         """Whether any CUDA graph was captured into the pool."""
         return self._pool is not None

@@ -31,6 +31,7 @@ from lightning_cg.engine.faults import (
     diagnose,
     free_device_memory,
 )
+from lightning_cg.engine.memory import graph_memory
 from lightning_cg.engine.plan import PathPlan, PlanRef
 from lightning_cg.engine.replay import graph_context
 from lightning_cg.engine.replay_checks import BufferState
@@ -79,7 +80,6 @@ class GraphCapturer:
     def capture(self, keys: Sequence[GraphKey]) -> float:
         """Capture those of ``keys`` not captured nor ruled out; returns the seconds it took."""
         started = time.perf_counter()
-        reserved_before = _reserved_bytes()
         stats = self.stats
         graphs_before = self.cache.num_cuda_graphs
         with graph_context():
@@ -91,10 +91,13 @@ class GraphCapturer:
         if self.cache.has_pool:
             stats.capture_seconds += seconds
             stats.capture_seconds_run += seconds
-        stats.pool_bytes += max(0, _reserved_bytes() - reserved_before)
         stats.graphs_captured += max(0, self.cache.num_cuda_graphs - graphs_before)
         stats.graphs = self.cache.num_cuda_graphs
         stats.weight_copy_bytes = 0 if self.weight_casts is None else self.weight_casts.nbytes
+        # The whole pool, not this capture's growth: captures share it and reuse its free blocks.
+        memory = graph_memory(self.cache)
+        stats.pool_bytes = memory.pool_bytes
+        stats.held_bytes = memory.pool_bytes + memory.input_bytes + stats.weight_copy_bytes
         return seconds
 
     def _capture_recovering(self, keys: list[GraphKey]) -> None:
@@ -284,7 +287,3 @@ def _replayer(cuda_graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callabl
 
 def _warn(message: str, stacklevel: int = 5) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
-
-
-def _reserved_bytes() -> int:
-    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0

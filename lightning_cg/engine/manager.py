@@ -142,6 +142,7 @@ class EncoderGraphManager:
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
         self.stats.weight_copy_bytes = 0
+        self.stats.held_bytes = 0
 
     def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
         """Capture every key of ``paths`` (default: all) for one adapter signature now,

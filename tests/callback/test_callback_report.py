@@ -1,7 +1,10 @@
 """The callback's one-line run report."""
 
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
+import torch
 
 import lightning_cg.callback.report as callback_report
 from lightning_cg.core.stats import GraphStats
@@ -25,9 +28,48 @@ def test_a_run_that_compiled_says_what_compiling_cost(monkeypatch, compiled):
     assert ("5.25 s of it compiling the graph forward" in line) == bool(compiled)
 
 
-def test_the_line_tells_the_graphs_memory(monkeypatch):
-    line = report(monkeypatch, pool_bytes=300 * 2**20, weight_copy_bytes=165 * 2**20)
-    assert "3 held; memory: pool 300 MiB, weight copies 165 MiB" in line
+def test_the_line_tells_the_graphs_memory_and_its_parts(monkeypatch):
+    line = report(
+        monkeypatch, pool_bytes=300 * 2**20, weight_copy_bytes=165 * 2**20, held_bytes=489 * 2**20
+    )
+    assert (
+        "3 held; device memory 489 MiB: pool 300 MiB, weight copies 165 MiB, input buffers 24 MiB"
+        in line
+    )
+
+
+class TwoRanks:
+    """A strategy of two ranks, the other holding ``factor`` times this rank's stats."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def reduce(self, values: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        ranks = torch.stack([values, self.factor * values])
+        return ranks.sum(0) if reduce_op == "sum" else ranks.amax(0)
+
+
+def test_counters_are_summed_over_ranks_and_memory_is_the_largest_ranks():
+    stats = GraphStats(
+        hits=90,
+        misses=10,
+        graphs=3,
+        pool_bytes=300 * 2**20,
+        weight_copy_bytes=100 * 2**20,
+        held_bytes=420 * 2**20,
+    )
+    trainer = SimpleNamespace(strategy=TwoRanks(factor=2.0))
+    reduced = callback_report.reduce_stats(trainer, stats.as_dict())
+    assert (reduced["hits"], reduced["misses"], reduced["graphs"]) == (270, 30, 9)
+    assert reduced["hit_rate"] == 0.9
+    # One device holds one rank's graphs: the larger rank's memory, not the sum.
+    assert (reduced["pool_bytes"], reduced["weight_copy_bytes"], reduced["held_bytes"]) == (
+        600 * 2**20,
+        200 * 2**20,
+        840 * 2**20,
+    )
 
 
 def test_the_cpu_line_says_how_sub_batches_ran_without_graphs(monkeypatch):
