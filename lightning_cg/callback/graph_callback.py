@@ -119,6 +119,8 @@ class CUDAGraphCallback(Callback):
         self._eager: EncoderGraphManager | None = None
         #: Whether a capture failed in an earlier run (on a manager since replaced too).
         self._capture_failed = False
+        #: A checkpoint's state for the next manager built (``load_state_dict``).
+        self._loaded_state: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -155,11 +157,17 @@ class CUDAGraphCallback(Callback):
             self._tower = tower
             self._binding = self._cleared_layouts = self._eager = None
             self.manager = self._build_manager(tower)
+            if self._loaded_state is not None:
+                self.manager.load_state_dict(self._loaded_state, "the checkpoint")
+                self._loaded_state = None
 
     def _build_manager(
         self, tower: nn.Module, mode: GraphMode | None = None
     ) -> EncoderGraphManager:
-        config = self.config if mode is None else dataclasses.replace(self.config, mode=mode)
+        config = self.config
+        if mode is not None:
+            # The eager manager learns nothing worth a plan: only the graphing one reads it.
+            config = dataclasses.replace(config, mode=mode, plan=None)
         return EncoderGraphManager(adapter_for(tower, self.adapter), config, self._capture_progress)
 
     @override
@@ -304,8 +312,37 @@ class CUDAGraphCallback(Callback):
         self.last_stats = reduce_stats(trainer, self._run_manager.stats.as_dict())
         on_cuda = next(self._tower.parameters(), torch.empty(0)).is_cuda
         report_run(trainer, self.last_stats, stage, on_cuda)
+        if trainer.is_global_zero:
+            self.manager.write_plan()
         if not self.keep_graphs:
             # Timings kept for graphs of the same tower; _bind_tensors forgets them otherwise.
             self.manager.clear(keep_timings=True)
             self._binding = None
             self._cleared_layouts = tensor_layouts(self._tower)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # One callback per tower: a named tower tells two callbacks' states apart.
+        if self._find_tower:
+            return super().state_key
+        return self._generate_state_key(module=self.module)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What the capture rule learned (``EncoderGraphManager.state_dict``); Lightning
+        saves it in every checkpoint. Empty before any manager, unless one was loaded."""
+        state = self.manager.state_dict() if self.manager is not None else self._loaded_state
+        return {} if state is None else {"manager": state}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved, into the manager, or the next one built
+        (at a run's start). A state of another tower or device is ignored with a warning."""
+        state = state_dict.get("manager")
+        if state is None:
+            return
+        if self.manager is not None:
+            self.manager.load_state_dict(state, "the checkpoint")
+        else:
+            self._loaded_state = state

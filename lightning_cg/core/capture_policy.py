@@ -10,9 +10,11 @@ slower than its key's eager runs sends the key back to eager.
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Timings kept per key and kind; the median of them is used.
 SAMPLES = 3
@@ -308,6 +310,38 @@ class CapturePolicy:
     def _path(self, path: str) -> PathCosts:
         return self._paths.setdefault(path, PathCosts())
 
+    def export_state(self, identity: Callable[[Hashable], str | None]) -> dict[str, Any]:
+        """What the policy learned, as plain values: the calls counted, each path's eager
+        calls, each key's record under ``identity(key)`` (None leaves the key out) and the
+        keys whose graphs were measured slower than eager (``slower``)."""
+        keys, slower = {}, []
+        for key, record in self._keys.items():
+            if (name := identity(key)) is not None:
+                keys[name] = record_values(record)
+                if self.slower_than_eager(key):
+                    slower.append(name)
+        paths = {path: path_costs_values(costs) for path, costs in self._paths.items()}
+        return {"calls": self._calls, "paths": paths, "keys": keys, "slower": slower}
+
+    def import_state(self, calls: int, paths: Mapping[str, PathCosts]) -> None:
+        """An earlier process's call count and paths' eager calls, as if this process had
+        made them; its key records join by :meth:`import_record` at each key's first sighting."""
+        self._calls = max(self._calls, calls)
+        for path, imported in paths.items():
+            costs = self._path(path)
+            for tokens, seconds in imported.eager_calls:
+                costs.add_call(tokens, seconds)
+            for tokens in sorted(imported.token_counts):
+                if len(costs.token_counts) < 2:
+                    costs.token_counts.add(tokens)
+
+    def import_record(self, key: Hashable, record: KeyRecord) -> None:
+        """``key``'s record from an earlier process, unless the key has one here: its
+        sightings count, and the eager time spent on it counts as earlier runs'."""
+        if key not in self._keys:
+            record.spent_before_run = record.eager_spent
+            self._keys[key] = record
+
 
 def _slope(samples: list[tuple[int, float]]) -> float | None:
     """Least-squares seconds per token of ``(tokens, seconds)``; None with fewer than two
@@ -319,3 +353,88 @@ def _slope(samples: list[tuple[int, float]]) -> float | None:
     spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
     covariance = sum((t - mean_tokens) * (s - mean_seconds) for t, s in samples)
     return slope if (slope := covariance / spread) > 0 else None
+
+
+def record_values(record: KeyRecord) -> dict[str, Any]:
+    """``record`` as plain values (what :func:`record_from_values` reads)."""
+    return {
+        "path": record.path,
+        "size": record.size,
+        "sightings": record.sightings,
+        "real_tokens": record.real_tokens,
+        "eager_spent": record.eager_spent,
+        "eager_seconds_per_token": list(record.eager_seconds_per_token),
+        "graph_seconds": list(record.graph_seconds),
+        "capture_ratio": record.capture_ratio,
+    }
+
+
+def record_from_values(values: Mapping[str, Any]) -> KeyRecord:
+    """The record :func:`record_values` gave; a ValueError names a missing or bad field."""
+    record = KeyRecord(
+        path=_value(values, "path", str),
+        size=_value(values, "size", int, least=1),
+        sightings=_value(values, "sightings", int),
+        real_tokens=_value(values, "real_tokens", int),
+        eager_spent=_value(values, "eager_spent", float),
+        eager_seconds_per_token=_samples(values, "eager_seconds_per_token"),
+        graph_seconds=_samples(values, "graph_seconds"),
+        capture_ratio=_value(values, "capture_ratio", float, none_ok=True),
+    )
+    if record.eager_seconds_per_token:
+        record.median_eager_per_token = statistics.median(record.eager_seconds_per_token)
+    if record.graph_seconds:
+        record.graph = statistics.median(record.graph_seconds)
+    return record
+
+
+def path_costs_values(costs: PathCosts) -> dict[str, Any]:
+    """A path's eager calls and token counts as plain values."""
+    return {
+        "eager_calls": [[tokens, seconds] for tokens, seconds in costs.eager_calls],
+        "token_counts": sorted(costs.token_counts),
+    }
+
+
+def path_costs_from_values(values: Mapping[str, Any]) -> PathCosts:
+    """The path costs :func:`path_costs_values` gave; a ValueError names a bad field."""
+    costs = PathCosts()
+    calls = _value(values, "eager_calls", list)
+    if len(calls) > PATH_SAMPLES:
+        raise ValueError(f"eager_calls holds {len(calls)} calls, more than {PATH_SAMPLES}")
+    for index, call in enumerate(calls):
+        if not isinstance(call, list | tuple) or len(call) != 2:
+            raise ValueError(f"eager_calls[{index}] must be [tokens, seconds]; got {call!r}")
+        pair = dict(zip(("tokens", "seconds"), call, strict=True))
+        costs.add_call(_value(pair, "tokens", int), _value(pair, "seconds", float))
+    counts = _value(values, "token_counts", list)
+    costs.token_counts = {_value({"token_counts": n}, "token_counts", int) for n in counts}
+    return costs
+
+
+def _samples(values: Mapping[str, Any], name: str) -> list[float]:
+    samples = _value(values, name, list)
+    if len(samples) > SAMPLES:
+        raise ValueError(f"{name} holds {len(samples)} samples, more than {SAMPLES}")
+    return [_value({name: sample}, name, float) for sample in samples]
+
+
+def _value(
+    values: Mapping[str, Any], name: str, kind: type, least: int = 0, none_ok: bool = False
+) -> Any:
+    """``values[name]`` if it is a ``kind`` (a finite number at least ``least``)."""
+    if name not in values:
+        raise ValueError(f"{name} is missing")
+    value = values[name]
+    if value is None and none_ok:
+        return None
+    number = kind in (int, float)
+    kinds = (int, float) if kind is float else kind
+    if (
+        not isinstance(value, kinds)
+        or isinstance(value, bool)
+        or (number and not (math.isfinite(value) and value >= least))
+    ):
+        allowed = f"a finite number >= {least}" if number else f"a {kind.__name__}"
+        raise ValueError(f"{name} must be {allowed}; got {name}={value!r}")
+    return float(value) if kind is float else value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -136,6 +137,9 @@ class GraphConfig:
             a batch first needs it, ``upfront`` a path's whole ladder at its first call.
         cast_weights_per_run: under autocast, graphs read low-precision weight copies
             refreshed each run; false: every replay casts (and sees weights changed mid-run).
+        plan: a JSON file of what the capture rule learned (keys' sightings and times, keys
+            sent to eager, capture faults): read when a manager is built, if it exists;
+            written at each run's end by the callback and on leaving ``graphed``. None: none.
     """
 
     # str too: LightningCLI parses an enum by its member's name (FULL), users write its value.
@@ -147,6 +151,7 @@ class GraphConfig:
     compile: bool = False
     capture: str = "paid_back"
     cast_weights_per_run: bool = True
+    plan: str | None = None
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -169,6 +174,7 @@ class GraphConfig:
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:
             self._check_compile_only_options()
+        _check_plan(self.plan)
 
     def _check_compile_only_options(self) -> None:
         """Refuse ``align`` of a pow2 ladder: only compiling reads it (its ladder is geometric)."""
@@ -219,6 +225,16 @@ class GraphConfig:
             for path, choice in (paths or {}).items()
         }
         return cls(budgets=base, paths=path_budgets, **options)
+
+
+def _check_plan(plan: Any) -> None:
+    """A plan file's path (str or os.PathLike), not empty, not a folder."""
+    if plan is None:
+        return
+    if not isinstance(plan, str | os.PathLike) or not os.fspath(plan):
+        raise ValueError(f"plan must be a JSON file path or None; got plan={plan!r}")
+    if os.path.isdir(plan):
+        raise ValueError(f"plan must be a JSON file path, not a folder; got plan={plan!r}")
 
 
 def _path_budgets(path: str, budgets: Any, choice: Any) -> BudgetConfig:

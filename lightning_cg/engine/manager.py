@@ -24,6 +24,7 @@ from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.engine.plan import PathPlan, PlanRef, path_budget_choices, plan_paths
 from lightning_cg.engine.replay import autocast_key
+from lightning_cg.engine.run_state import RunState, read_plan, write_plan
 from lightning_cg.engine.weight_casts import WeightCasts, weight_casts_for
 
 __all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
@@ -92,6 +93,21 @@ class EncoderGraphManager:
                 self.runner,
                 self.clear,
             )
+        compiled = self.compiled_encoder is not None
+        #: What the capture rule learned, kept across processes (``state_dict``).
+        self.run_state = RunState(
+            self.policy,
+            self.runner.router,
+            self.plans,
+            self.cache,
+            self._tower,
+            self.compiled_encoder.encoder if compiled else encoder,
+            compiled,
+        )
+        if self.config.plan is not None:
+            state = read_plan(self.config.plan)
+            if state is not None:
+                self.load_state_dict(state, source=f"file {self.config.plan!r}")
 
     @property
     def capture_error(self) -> str | None:
@@ -118,6 +134,7 @@ class EncoderGraphManager:
         and the runs like it known to follow (None: unknown), and refresh the weight copies."""
         self.stats.reset_run()
         self.policy.begin_run(expected_calls, later_runs)
+        self.run_state.begin_run()
         if self.weight_casts is not None:
             self.weight_casts.refresh()
 
@@ -139,10 +156,29 @@ class EncoderGraphManager:
         self.runner.forget_graphs()
         if not keep_timings:
             self.policy.forget_graphs()
+            self.run_state.forget_graphs()
         self.stats.graphs = 0
         self.stats.pool_bytes = 0
         self.stats.weight_copy_bytes = 0
         self.stats.held_bytes = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the capture rule learned, in JSON's types: per key (by a text of its graph
+        set, path and budget) its sightings and measured times, the keys sent to eager and
+        why, the paths capture faults changed, and what it was measured with."""
+        return self.run_state.state_dict()
+
+    def load_state_dict(self, state: Any, source: str = "the state given") -> bool:
+        """Take what an earlier manager of the same tower learned (:meth:`state_dict`): a
+        known key that repays its capture is captured at its first sighting; keys sent to
+        eager stay eager. A state of another tower, adapter, torch or device, or one that
+        cannot be read, warns once and changes nothing; returns whether it was taken."""
+        return self.run_state.load_state_dict(state, source)
+
+    def write_plan(self) -> None:
+        """Write :meth:`state_dict` to the ``plan`` file, if the config names one."""
+        if self.config.plan is not None:
+            write_plan(self.config.plan, self.state_dict())
 
     def capture(self, signature: Hashable, paths: Sequence[str] | None = None) -> None:
         """Capture every key of ``paths`` (default: all) for one adapter signature now,

@@ -5,6 +5,7 @@ Routing reads the items' sizes, not their tensors, so an eager sub-batch is neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -90,6 +91,15 @@ class Router:
         self.timer = timer
         #: Keys a checked replay sent to eager for good, and why (an ``eager_*`` reason).
         self._eager_keys: dict[GraphKey, str] = {}
+        #: Called with each key at its first sighting, before the policy counts it (a
+        #: loaded state's records join there); None while no loaded record waits.
+        self.on_first_sighting: Callable[[GraphKey], None] | None = None
+        self._sighted: set[GraphKey] = set()
+
+    @property
+    def eager_keys(self) -> dict[GraphKey, str]:
+        """The keys served eagerly for good, and why."""
+        return dict(self._eager_keys)
 
     def serve_eagerly(self, key: GraphKey, reason: str) -> None:
         """Run ``key`` eagerly from now on, counted as ``eager_{reason}`` (its graph stays
@@ -105,6 +115,8 @@ class Router:
             elif planned.reason:
                 self.stats.count_eager(planned.reason)
             return Route(tokens=total)
+        if self.on_first_sighting is not None and key not in self._sighted:
+            self._first_sighting(key)
         self.policy.sighted(key, key.path, key.descriptor.num_tokens, total)
         key, graph, reason = self._graph_for(key, sub_batch)
         if graph is None:
@@ -140,6 +152,8 @@ class Router:
             return None, None, self.plans.plan.no_key_reason(key.path, sum(tokens))
         if rekey != key:
             # The key the new plan gives serves from now on: its sightings and times count.
+            if self.on_first_sighting is not None and rekey not in self._sighted:
+                self._first_sighting(rekey)
             self.policy.sighted(rekey, rekey.path, rekey.descriptor.num_tokens, sum(tokens))
             if rekey not in self.cache:
                 self._capture_key(rekey)
@@ -147,6 +161,10 @@ class Router:
         if graph is None:
             return rekey, None, self.plans.plan.no_key_reason(key.path, sum(tokens))
         return rekey, graph, ""
+
+    def _first_sighting(self, key: GraphKey) -> None:
+        self._sighted.add(key)
+        self.on_first_sighting(key)
 
     def _capture_key(self, key: GraphKey) -> None:
         if self.config.capture == "upfront":

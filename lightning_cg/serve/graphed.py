@@ -70,6 +70,7 @@ class GraphedTower:
         if self._swapped:
             del self.tower.forward  # the class's forward: a tower with its own is refused
             self._swapped = False
+            self.manager.write_plan()
 
 
 def graphed(
@@ -83,6 +84,8 @@ def graphed(
 
     Inside, calls replay graphs where a budget fits and run eagerly elsewhere, returning the
     tower's own output; leaving, also by an exception, puts back the forward that was there.
+    With ``plan="file.json"`` what the capture rule learned is read on entering (if the
+    file exists) and written on leaving, so a later process captures known keys at once.
     Calls with gradients enabled, or with the tower in train mode, run eagerly (use
     ``torch.inference_mode()`` and ``tower.eval()``).
 

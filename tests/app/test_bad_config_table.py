@@ -208,6 +208,9 @@ PYTHON_ROWS = [
     ("callback unknown option", lambda: CUDAGraphCallback(verfy=True), "verfy"),
     ("config cast_weights_per_run=1", graph_config(cast_weights_per_run=1), "cast_weights_per_run"),
     ("config unknown option", graph_config(bogus=1), "bogus"),
+    ("callback plan=3", callback(plan=3), "plan must be a JSON file path or None"),
+    ("config plan=''", graph_config(plan=""), "plan must be a JSON file path or None"),
+    ("config plan a folder", graph_config(plan="."), "plan must be a JSON file path, not a folder"),
     ("config compile without graphs", graph_config(compile=True, mode="none"), "compile"),
     (
         "config min_budget > max_budget",

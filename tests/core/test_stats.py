@@ -5,7 +5,14 @@ from dataclasses import fields
 from lightning_cg.core.stats import GraphStats
 
 #: What describes the graphs held, not one run's work (as GraphStats' docstrings say).
-HELD = {"graphs", "capture_seconds", "pool_bytes", "weight_copy_bytes", "compile_seconds"}
+HELD = {
+    "graphs",
+    "capture_seconds",
+    "pool_bytes",
+    "weight_copy_bytes",
+    "held_bytes",
+    "compile_seconds",
+}
 
 
 def test_a_new_run_zeroes_the_run_counters_and_keeps_what_is_held():

@@ -1,0 +1,155 @@
+"""CapturePolicy's exported state: a later policy that imports it decides as if it had
+lived through the earlier runs (scripted timings, through plain JSON)."""
+
+import json
+import re
+
+import pytest
+
+from lightning_cg.core.capture_policy import (
+    CAPTURE,
+    FIRST_CAPTURE_FACTOR,
+    NO_GAIN,
+    PRIOR_CAPTURE_RATIO,
+    PRIOR_GRAPH_RATIO,
+    SAMPLES,
+    WAIT,
+    CapturePolicy,
+    ProcessCaptures,
+    path_costs_from_values,
+    record_from_values,
+)
+
+#: Calls of a run too short to repay a process's first capture from its own sightings:
+#: at the key's second sighting, ``RUN - 2`` replays each gain half an eager run.
+RUN = int(PRIOR_CAPTURE_RATIO * FIRST_CAPTURE_FACTOR / (1 - PRIOR_GRAPH_RATIO))
+EAGER_S = 0.01
+
+
+def see(policy: CapturePolicy, key: str, eager_s: float | None = EAGER_S) -> str:
+    """One call whose only sub-batch needs ``key`` (64 real tokens); the decision."""
+    policy.called()
+    policy.sighted(key, path="local", size=64, tokens=64)
+    if eager_s is not None and policy.wants_eager_timing(key):
+        policy.record_eager(key, eager_s, 64)
+    return policy.decide(key)
+
+
+def exported(policy: CapturePolicy) -> dict:
+    """The policy's state through JSON, keys named by themselves."""
+    return json.loads(json.dumps(policy.export_state(str)))
+
+
+def later_policy(state: dict | None, key: str = "a") -> CapturePolicy:
+    """A fresh process's policy at the start of a run like the first, given ``state``
+    (None: nothing learned), before ``key``'s first sighting."""
+    policy = CapturePolicy(process=ProcessCaptures())
+    if state is not None:
+        paths = {path: path_costs_from_values(v) for path, v in state["paths"].items()}
+        policy.import_state(state["calls"], paths)
+        policy.import_record(key, record_from_values(state["keys"][key]))
+    policy.begin_run(expected_calls=RUN)
+    return policy
+
+
+def test_a_key_that_repays_is_captured_at_its_first_sighting_of_a_later_process():
+    earlier = CapturePolicy(process=ProcessCaptures())
+    earlier.begin_run(expected_calls=RUN)
+    assert CAPTURE not in [see(earlier, "a") for _ in range(RUN)]  # no run alone repays it
+    state = exported(earlier)
+
+    assert see(later_policy(state), "a") == CAPTURE
+    assert see(later_policy(None), "a") == WAIT
+
+
+@pytest.mark.parametrize(
+    ("capture_ratio", "decision"),
+    [(1.0, CAPTURE), (None, WAIT)],
+    ids=["measured_ratio_replaces_the_prior", "prior_ratio"],
+)
+def test_an_imported_capture_ratio_replaces_the_prior(capture_ratio, decision):
+    # A process that had captured before measures this key's capture at one eager run.
+    earlier = CapturePolicy(process=ProcessCaptures(count=1))
+    earlier.begin_run(expected_calls=1)
+    for _ in range(6):
+        see(earlier, "a")
+    earlier.record_capture("a", seconds=EAGER_S)
+    state = exported(earlier)
+    state["keys"]["a"]["capture_ratio"] = capture_ratio
+    # About 5 eager runs spent: above a first capture at the measured ratio (4 x 1), below
+    # one at the prior (4 x 5); a run of one call repays nothing.
+    later = CapturePolicy(process=ProcessCaptures())
+    later.import_record("a", record_from_values(state["keys"]["a"]))
+    later.begin_run(expected_calls=1)
+
+    assert see(later, "a") == decision
+
+
+def test_a_key_measured_slower_than_eager_stays_eager():
+    earlier = CapturePolicy(process=ProcessCaptures(count=1))
+    earlier.begin_run(expected_calls=None)
+    for _ in range(3):
+        see(earlier, "a")
+    for _ in range(SAMPLES):
+        earlier.record_replay("a", 2 * EAGER_S)
+    state = exported(earlier)
+    assert state["slower"] == ["a"]
+
+    assert see(later_policy(state), "a") == NO_GAIN
+
+
+def test_a_record_survives_json_unchanged():
+    earlier = CapturePolicy(process=ProcessCaptures(count=1))
+    earlier.begin_run(expected_calls=None)
+    for _ in range(4):
+        see(earlier, "a")
+    earlier.record_replay("a", EAGER_S / 2)
+    earlier.record_capture("a", seconds=3 * EAGER_S)
+    state = exported(earlier)
+    later = later_policy(state)
+
+    assert exported(later)["keys"] == state["keys"]
+    assert exported(later)["paths"] == state["paths"]
+    for estimate in ("sightings", "eager_s", "graph_s", "eager_spent_s"):
+        assert later.estimates("a")[estimate] == earlier.estimates("a")[estimate], estimate
+
+
+GOOD = {
+    "path": "local",
+    "size": 64,
+    "sightings": 2,
+    "real_tokens": 100,
+    "eager_spent": 0.01,
+    "eager_seconds_per_token": [1e-4],
+    "graph_seconds": [],
+    "capture_ratio": None,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"path": 3}, "path must be a str; got path=3"),
+        ({"size": 0}, "size must be a finite number >= 1"),
+        ({"sightings": -1}, "sightings must be a finite number >= 0"),
+        ({"sightings": 2.5}, "sightings must be a finite number"),
+        ({"eager_spent": float("nan")}, "eager_spent must be a finite number"),
+        ({"eager_spent": True}, "eager_spent must be a finite number"),
+        ({"eager_seconds_per_token": [1e-4] * (SAMPLES + 1)}, "more than 3"),
+        ({"graph_seconds": ["fast"]}, "graph_seconds must be a finite number"),
+        ({"capture_ratio": "5"}, "capture_ratio must be a finite number"),
+        ({"real_tokens": None}, "real_tokens must be a finite number"),
+    ],
+    ids=lambda value: repr(value)[:40],
+)
+def test_a_bad_record_is_refused_naming_the_field(change, message):
+    assert record_from_values(GOOD).sightings == 2
+    with pytest.raises(ValueError, match=re.escape(message)):
+        record_from_values(GOOD | change)
+
+
+def test_a_record_without_a_field_is_refused_naming_it():
+    values = dict(GOOD)
+    del values["graph_seconds"]
+    with pytest.raises(ValueError, match="graph_seconds is missing"):
+        record_from_values(values)
