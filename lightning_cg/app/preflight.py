@@ -15,7 +15,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters import adapter_for, check_config_applies
 from lightning_cg.adapters.batched import fixed_image_side
 from lightning_cg.app.schema import AppSchema
 from lightning_cg.callback.checks import resolve_module
@@ -76,7 +76,7 @@ def check_config(cfg: DictConfig, stage: str) -> CUDAGraphCallback:
 def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) -> nn.Module:
     """Refuse a built tower the data or the graph options cannot serve (ConfigError); return it."""
     try:
-        tower = resolve_module(model, callback.module)
+        tower = resolve_module(model, callback.module, callback.adapter)
     except ValueError as error:
         raise ConfigError(f"cudagraph.module={callback.module!r}: {error}") from None
     if "input" in cfg.model and cfg.model.input.get("image_size") is None:
@@ -94,6 +94,7 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     except ValueError as error:
         raise ConfigError(f"cudagraph.module={callback.module!r}: {error}") from None
     try:
+        check_config_applies(adapter, callback.config)
         EncoderGraphManager(adapter, callback.config)
     except ValueError as error:
         raise ConfigError(f"cudagraph: {error}") from None

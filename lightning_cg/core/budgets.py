@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 #: Budget ladder shapes accepted by :func:`generate_budgets`.
-LADDERS = ("pow2", "geometric")
+Ladder = Literal["pow2", "geometric"]
+LADDERS: tuple[str, ...] = get_args(Ladder)
 
 
 def is_positive_int(value: object) -> bool:
