@@ -14,8 +14,9 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from lightning_cg.engine.config import GraphConfig
+from lightning_cg.engine.config import GraphConfig, check_rungs
 from lightning_cg.engine.encoder import GraphableEncoder
+from lightning_cg.engine.plan import path_budget_choices, resolve_path
 
 #: The adapters chosen by name.
 AdapterName = Literal["packed", "batched", "hf"]
@@ -136,9 +137,16 @@ def check_adapter_serves(adapter: Any, tower: nn.Module, where: str) -> None:
 
 
 def check_config_applies(adapter: GraphableEncoder, config: GraphConfig) -> None:
-    """Refuse (ValueError) an option ``adapter``'s tower would only turn into eager runs:
-    ``max_frames_per_batch`` on a batch-first tower, whose items are its rows."""
+    """Refuse (ValueError) options that would fail ``adapter``'s tower without a word: a
+    geometric ladder its ratio or align leaves only the two ends of the tower's range
+    (:func:`~lightning_cg.engine.config.check_rungs`), and ``max_frames_per_batch`` on a
+    batch-first tower, whose items are its rows (it would only turn calls eager)."""
     from lightning_cg.adapters.batched import BatchedEncoderAdapter
+
+    for path, choice in path_budget_choices(adapter.graph_config(), config).items():
+        budgets, _ = resolve_path(adapter, path, choice, config.max_items_per_batch)
+        where = f"paths.{path}" if path in config.paths else "budgets"
+        check_rungs(where, choice, budgets[0], budgets[-1])
 
     frames = config.max_frames_per_batch
     if frames is not None and isinstance(adapter, BatchedEncoderAdapter):

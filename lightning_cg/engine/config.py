@@ -6,7 +6,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from lightning_cg.core.budgets import Ladder, check_budget_list, check_ladder, check_range
+from lightning_cg.core.budgets import (
+    Ladder,
+    check_budget_list,
+    check_geometric_rungs,
+    check_ladder,
+    check_range,
+)
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.compiled import check_compile
 
@@ -173,13 +179,17 @@ class GraphConfig:
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:
             self._check_compile_only_options()
+        for where, choice in self.budget_choices():
+            if None not in (choice.min_budget, choice.max_budget):
+                check_rungs(where, choice, choice.min_budget, choice.max_budget)
+
+    def budget_choices(self) -> list[tuple[str, BudgetConfig]]:
+        """Each budget choice with the option that holds it: ``budgets``, ``paths.<path>``."""
+        return [("budgets", self.budgets), *((f"paths.{p}", c) for p, c in self.paths.items())]
 
     def _check_compile_only_options(self) -> None:
         """Refuse ``align`` of a pow2 ladder: only compiling reads it (its ladder is geometric)."""
-        for where, choice in (
-            ("budgets", self.budgets),
-            *((f"paths.{path}", choice) for path, choice in self.paths.items()),
-        ):
+        for where, choice in self.budget_choices():
             if choice.budgets is None and choice.ladder == "pow2" and _is_set(choice, "align"):
                 raise ValueError(
                     f"{where}.align={choice.align!r} is read only by compiled capture here, "
@@ -221,6 +231,18 @@ class GraphConfig:
             for path, choice in (paths or {}).items()
         }
         return cls(budgets=base, paths=path_budgets, **options)
+
+
+def check_rungs(where: str, choice: BudgetConfig, min_budget: int, max_budget: int) -> None:
+    """Refuse a geometric ``choice`` whose ratio or align leaves its ladder from ``min_budget``
+    to ``max_budget`` only its two ends (:func:`~lightning_cg.core.budgets.check_geometric_rungs`);
+    the error names the option ``where`` holds it."""
+    if choice.budgets is not None or choice.ladder != "geometric":
+        return
+    try:
+        check_geometric_rungs(min_budget, max_budget, choice.ratio, choice.align)
+    except ValueError as error:
+        raise ValueError(f"{where}.{error}") from None
 
 
 def _check_option_names(options: Mapping[str, Any]) -> None:
