@@ -83,6 +83,12 @@ HYDRA_ROWS = [
     ("predict", ["cudagraph.mode=fast"], "mode"),
     ("predict", ["cudagraph.packing=best"], "packing"),
     ("predict", ["cudagraph.adapter=packd"], "adapter"),
+    # an adapter node built before the tower exists
+    (
+        "predict",
+        ["cudagraph.adapter={_target_: lightning_cg.adapters.packed.PackedEncoderAdapter}"],
+        "_partial_",
+    ),
     ("predict", ["cudagraph.capture=eventually"], "capture"),
     ("predict", ["cudagraph.max_items_per_batch=0"], "max_items_per_batch"),
     ("predict", ["cudagraph.max_items_per_batch=true"], "max_items_per_batch"),
@@ -385,6 +391,10 @@ def test_a_budget_that_fits_and_matching_data_pass_the_checks(monkeypatch):
         ["model=vit_b_16", "data=fake", "data.image_size=224"],
         ["model=vit_b_16", "data=photos"],
         ["data=synthetic", "data.merge_size=2", "+cudagraph.paths.global.max_budget=1024"],
+        [
+            "cudagraph.adapter={_target_: lightning_cg.adapters.packed.PackedEncoderAdapter, "
+            "_partial_: true}"
+        ],
     ]
     for overrides in sane:
         with pytest.raises(WorkStarted):
