@@ -179,17 +179,17 @@ class GraphConfig:
         _check_choice("capture", self.capture, CAPTURE_POLICIES)
         if not self.compile:
             self._check_compile_only_options()
-        for where, choice in self.budget_choices():
+        for where, choice in self._budget_choices():
             if None not in (choice.min_budget, choice.max_budget):
                 check_rungs(where, choice, choice.min_budget, choice.max_budget)
 
-    def budget_choices(self) -> list[tuple[str, BudgetConfig]]:
+    def _budget_choices(self) -> list[tuple[str, BudgetConfig]]:
         """Each budget choice with the option that holds it: ``budgets``, ``paths.<path>``."""
         return [("budgets", self.budgets), *((f"paths.{p}", c) for p, c in self.paths.items())]
 
     def _check_compile_only_options(self) -> None:
         """Refuse ``align`` of a pow2 ladder: only compiling reads it (its ladder is geometric)."""
-        for where, choice in self.budget_choices():
+        for where, choice in self._budget_choices():
             if choice.budgets is None and choice.ladder == "pow2" and _is_set(choice, "align"):
                 raise ValueError(
                     f"{where}.align={choice.align!r} is read only by compiled capture here, "
