@@ -60,7 +60,7 @@ else:
 import torch  # noqa: E402
 
 from bench.report import plot_speedups  # noqa: E402
-from bench.trainer.checks import tolerance  # noqa: E402
+from bench.trainer.checks import PRECISIONS, tolerance  # noqa: E402
 from bench.trainer.rows import (  # noqa: E402
     markdown_table,
     merge_rows,
@@ -81,6 +81,7 @@ from bench.trainer.workloads import (  # noqa: E402
     TINY_SIZES,
     Workload,
 )
+from lightning_cg import CUDAGraphCallback  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,18 +135,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--precision",
         default=None,
+        choices=PRECISIONS,
         help="Lightning precision (default: bf16-mixed on CUDA, 32-true on CPU)",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny towers and images (CPU smoke)")
     parser.add_argument(
         "--min-side",
-        type=int,
+        type=positive_int,
         default=None,
         help="smallest side of the mixed-size images (default 64; tiny: 32)",
     )
     parser.add_argument(
         "--max-side",
-        type=int,
+        type=positive_int,
         default=None,
         help="largest side of the mixed-size images (default 1024; tiny: 96)",
     )
@@ -155,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit-train-batches", type=int, default=2)
     parser.add_argument(
         "--callback-kwargs",
-        type=json.loads,
+        type=json_object,
         default={},
         help='CUDAGraphCallback arguments, a JSON object: {"capture": "upfront"}',
     )
@@ -196,7 +198,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="start --output anew instead of merging into its rows",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    missing = [str(path) for path in args.from_json if not path.is_file()]
+    if missing:
+        parser.error(f"--from-json: no such file: {', '.join(missing)}")
+    try:
+        CUDAGraphCallback(module="backbone", **args.callback_kwargs)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--callback-kwargs={json.dumps(args.callback_kwargs)}: {error}")
+    return args
+
+
+def positive_int(text: str) -> int:
+    """An argument that must be a positive integer (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """``--callback-kwargs``: a JSON object of CUDAGraphCallback arguments."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"must be a JSON object; got {text!r} ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f'must be a JSON object like {{"capture": "upfront"}}; got {text!r}'
+        )
+    return value
 
 
 def resolve_settings(args: argparse.Namespace) -> BenchSettings:
@@ -217,7 +251,11 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
         print("compile: needs CUDA (reduce-overhead is CUDA graphs); left out on the CPU")
         methods.remove(COMPILE)
     base = TINY_SIZES if args.tiny else FULL_SIZES
-    sides = (args.min_side or base.mixed_sides[0], args.max_side or base.mixed_sides[1])
+    low, high = base.mixed_sides
+    sides = (
+        low if args.min_side is None else args.min_side,
+        high if args.max_side is None else args.max_side,
+    )
     if not 0 < sides[0] <= sides[1]:
         raise ValueError(f"need 0 < --min-side <= --max-side; got {sides[0]} and {sides[1]}")
     precision = args.precision or ("bf16-mixed" if device == "cuda" else "32-true")

@@ -28,6 +28,8 @@ from bench.trainer.runs import CALLBACK, EAGER, PredictRun
 
 #: Relative tolerance of the callback's outputs per precision family; see :func:`tolerance`.
 TOLERANCES = {"bf16": 2e-2, "16": 1e-2, "32": 1e-4, "64": 1e-4}
+#: The Lightning precisions a benchmark runs, each of a family with a tolerance.
+PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "16-true", "32-true", "64-true")
 
 
 def tolerance(precision: str) -> float:

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
+from lightning_cg.engine.config import GraphConfig, check_rungs
 from lightning_cg.engine.encoder import GraphableEncoder
+from lightning_cg.engine.plan import path_budget_choices, resolve_path
 
-ADAPTERS = ("packed", "batched", "hf")
+#: The adapters chosen by name.
+AdapterName = Literal["packed", "batched", "hf"]
+ADAPTERS: tuple[str, ...] = get_args(AdapterName)
+#: Builds the adapter of a tower (an adapter class is one).
+AdapterFactory = Callable[[nn.Module], GraphableEncoder]
 #: Module prefixes of libraries whose towers are called as tower(x [B, ...]).
 BATCH_FIRST_LIBRARIES = ("torchvision.models", "timm.")
 
@@ -27,11 +33,12 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
     ``name``: ``packed`` (``tower(pixel_patches, grid_thw)``), ``batched`` (``tower(x)``, one
     tensor out), ``hf`` (``tower(pixel_values=x, **options)``, structured out; needs
     ``lightning-cg[hf]``), a GraphableEncoder, a callable that builds one (an adapter class),
-    or None to choose by type. Raises ValueError for an unknown name or a tower no adapter
-    fits, TypeError when the named adapter cannot serve it or a callable built no adapter.
+    or None to choose by type. Raises ValueError for a ``name`` that is none of these (see
+    :func:`check_adapter_argument`) or a tower no adapter fits, TypeError when the named
+    adapter cannot serve it or a callable built no adapter.
     """
-    # An adapter class is a factory; the protocol check alone would take it for an adapter.
-    if isinstance(name, GraphableEncoder) and not isinstance(name, type):
+    check_adapter_argument(name)
+    if is_built_adapter(name):
         return name
     if callable(name):
         adapter = name(tower)
@@ -41,8 +48,6 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
                 "implement GraphableEncoder (see lightning_cg.engine.encoder)"
             )
         return adapter
-    if name is not None and name not in ADAPTERS:
-        raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)} or None; got {name!r}")
     if name is None:
         if isinstance(tower, GraphableEncoder):
             return tower
@@ -88,6 +93,70 @@ def adapter_for(tower: nn.Module, name: Any = None) -> GraphableEncoder:
     from lightning_cg.adapters.batched import BatchedEncoderAdapter
 
     return BatchedEncoderAdapter(tower)
+
+
+def is_built_adapter(adapter: Any) -> bool:
+    """Whether ``adapter`` is an adapter object (an adapter class is a factory, though the
+    protocol check alone would take it for one)."""
+    return isinstance(adapter, GraphableEncoder) and not isinstance(adapter, type)
+
+
+def check_adapter_argument(adapter: Any) -> None:
+    """Refuse (ValueError) an ``adapter`` that is no adapter name, GraphableEncoder, callable
+    that builds one from the tower (an adapter class), or None."""
+    if adapter is None or is_built_adapter(adapter) or isinstance(adapter, type):
+        return
+    if isinstance(adapter, str) and adapter in ADAPTERS:
+        return
+    allowed = (
+        f"adapter must be one of {', '.join(ADAPTERS)}, a GraphableEncoder, a callable that "
+        "builds one from the tower (an adapter class), or None"
+    )
+    if isinstance(adapter, nn.Module):
+        # A module is callable, but calling it with the tower would run its forward.
+        raise ValueError(
+            f"{allowed} (a module that does not implement GraphableEncoder is a tower, not "
+            f"its adapter); got adapter=a {type(adapter).__name__} module"
+        )
+    if not callable(adapter):
+        raise ValueError(f"{allowed}; got adapter={adapter!r}")
+
+
+def check_adapter_serves(adapter: Any, tower: nn.Module, where: str) -> None:
+    """Refuse (ValueError) an adapter object built on another module than ``tower``, the
+    tower ``where`` describes: it would serve that module's output for every call."""
+    if not is_built_adapter(adapter):
+        return
+    wrapped = getattr(adapter, "tower", tower)
+    if wrapped is not tower:
+        raise ValueError(
+            f"adapter={type(adapter).__name__} wraps a {type(wrapped).__name__} that is not "
+            f"{where} ({type(tower).__name__}): build the adapter on that tower, or pass its "
+            "class or a factory, which is called with the tower"
+        )
+
+
+def check_config_applies(adapter: GraphableEncoder, config: GraphConfig) -> None:
+    """Refuse (ValueError) options that would fail ``adapter``'s tower without a word: a
+    geometric ladder its ratio or align leaves only the two ends of the tower's range
+    (:func:`~lightning_cg.engine.config.check_rungs`), and ``max_frames_per_batch`` on a
+    batch-first tower, whose items are its rows (it would only turn calls eager)."""
+    from lightning_cg.adapters.batched import BatchedEncoderAdapter
+
+    for path, choice in path_budget_choices(adapter.graph_config(), config).items():
+        budgets, _ = resolve_path(adapter, path, choice, config.max_items_per_batch)
+        where = f"paths.{path}" if path in config.paths else "budgets"
+        check_rungs(where, choice, budgets[0], budgets[-1])
+
+    frames = config.max_frames_per_batch
+    if frames is not None and isinstance(adapter, BatchedEncoderAdapter):
+        raise ValueError(
+            f"max_frames_per_batch={frames} counts the attention sequences (frames) of a packed "
+            f"tower's sub-batch; {type(adapter).__name__} serves a batch-first tower, whose "
+            f"items are its rows, so it would only run every call of more than {frames} rows "
+            f"eagerly: pass max_items_per_batch={frames} to split calls into sub-batches of at "
+            f"most {frames} rows, or drop max_frames_per_batch"
+        )
 
 
 #: Set on the forwards lightning-cg installs on a tower, to tell them from other wrappers.

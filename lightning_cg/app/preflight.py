@@ -8,14 +8,15 @@ the Trainer (its sizes against ``model.input``, and the graph plan by building a
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class, get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lightning_cg.adapters import adapter_for
+from lightning_cg.adapters import adapter_for, check_config_applies
 from lightning_cg.adapters.batched import fixed_image_side
 from lightning_cg.app.schema import AppSchema
 from lightning_cg.callback.checks import resolve_module
@@ -61,6 +62,7 @@ def check_config(cfg: DictConfig, stage: str) -> CUDAGraphCallback:
         not isinstance(passes, int) or isinstance(passes, bool) or passes < 1
     ):
         raise ConfigError(f"passes must be a positive integer or null (auto); got passes={passes}")
+    _check_adapter_node(cfg.cudagraph.get("adapter"))
     callback = instantiate(cfg.cudagraph)
     served = "validate" if stage == "fit" else stage  # a fit's validation runs
     if served not in callback.stages:
@@ -73,10 +75,31 @@ def check_config(cfg: DictConfig, stage: str) -> CUDAGraphCallback:
     return callback
 
 
+def _check_adapter_node(adapter: Any) -> None:
+    """Refuse a ``cudagraph.adapter`` node that builds its adapter now, without the tower the
+    callback would pass (``_partial_: true`` makes it the factory the callback calls)."""
+    if not isinstance(adapter, DictConfig) or adapter.get("_partial_", False):
+        return
+    target = adapter.get("_target_")
+    try:
+        signature = inspect.signature(get_object(target))
+    except (ImportError, ValueError, TypeError):
+        return  # no target, or none to read: instantiate names the fault
+    arguments = {key: value for key, value in adapter.items() if not str(key).startswith("_")}
+    try:
+        signature.bind(**arguments)
+    except TypeError as error:
+        raise ConfigError(
+            f"cudagraph.adapter={{_target_: {target}}} is built before the tower exists "
+            f"({error}): add _partial_: true (cudagraph.adapter._partial_=true), so that the "
+            "callback calls it with the tower"
+        ) from None
+
+
 def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) -> nn.Module:
     """Refuse a built tower the data or the graph options cannot serve (ConfigError); return it."""
     try:
-        tower = resolve_module(model, callback.module)
+        tower = resolve_module(model, callback.module, callback.adapter)
     except ValueError as error:
         raise ConfigError(f"cudagraph.module={callback.module!r}: {error}") from None
     if "input" in cfg.model and cfg.model.input.get("image_size") is None:
@@ -94,6 +117,7 @@ def check_tower(cfg: DictConfig, model: nn.Module, callback: CUDAGraphCallback) 
     except ValueError as error:
         raise ConfigError(f"cudagraph.module={callback.module!r}: {error}") from None
     try:
+        check_config_applies(adapter, callback.config)
         EncoderGraphManager(adapter, callback.config)
     except ValueError as error:
         raise ConfigError(f"cudagraph: {error}") from None

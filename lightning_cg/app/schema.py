@@ -29,12 +29,14 @@ def _node_type(annotation: Any) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is bool:
         return Any
+    if origin is typing.Literal:
+        return str  # the config's own check names the allowed values
     if any(isinstance(arg, type) and issubclass(arg, enum.Enum) for arg in (annotation, *args)):
         return str
     if annotation is BudgetConfig:
         return BudgetsSchema
     if origin in (Mapping, dict):
-        return dict[str, Any]  # each path's entry overrides only the keys it names
+        return dict[str, Any]  # each path's entry, a whole budget choice, checked by the config
     if origin in (tuple, Sequence, list):
         return list[args[0]]
     if type(None) in args:

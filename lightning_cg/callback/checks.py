@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from lightning_cg.adapters import ADAPTERS, adapter_name_by_type, forward_parameters
+from lightning_cg.adapters import (
+    adapter_name_by_type,
+    check_adapter_argument,
+    forward_parameters,
+    is_built_adapter,
+)
 from lightning_cg.engine.encoder import GraphableEncoder
 
-STAGES = ("validate", "test", "predict")
-#: Builds the adapter of a tower (an adapter class is one).
-AdapterFactory = Callable[[nn.Module], GraphableEncoder]
+#: The stages the callback serves.
+StageName = Literal["validate", "test", "predict"]
+STAGES: tuple[str, ...] = get_args(StageName)
 #: Strategies that shard parameters: a graph would capture one shard's addresses.
 REFUSED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 #: Forward parameters of a model that takes text besides images (CLIPModel, a
@@ -25,7 +30,7 @@ TEXT_INPUTS = ("input_ids", "decoder_input_ids")
 
 def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adapter: Any) -> None:
     """Refuse (ValueError) a ``module`` that is no dotted path, bad ``stages``, a flag
-    that is not a bool, or an ``adapter`` that is no adapter name, adapter or callable."""
+    that is not a bool, or an ``adapter`` that is none (:func:`check_adapter_argument`)."""
     if module is not None and (
         not isinstance(module, str)
         # Digits index an nn.ModuleList or nn.Sequential, as in named_modules' paths.
@@ -49,16 +54,7 @@ def check_callback_args(module: Any, stages: Any, flags: Mapping[str, Any], adap
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false; got {name}={value!r}")
-    named = isinstance(adapter, str) and adapter in ADAPTERS
-    # An adapter class is a factory; a module is neither an adapter nor a factory.
-    factory = isinstance(adapter, type) or (
-        callable(adapter) and not isinstance(adapter, nn.Module)
-    )
-    if not (adapter is None or named or factory or isinstance(adapter, GraphableEncoder)):
-        raise ValueError(
-            f"adapter must be one of {', '.join(ADAPTERS)}, a GraphableEncoder, a callable "
-            f"that builds one from the tower, or None; got adapter={_short_repr(adapter)}"
-        )
+    check_adapter_argument(adapter)
 
 
 def check_strategy(trainer: pl.Trainer) -> None:
@@ -104,19 +100,6 @@ def _sharded_data(source: str, how: str) -> ValueError:
     )
 
 
-def check_adapter_serves(adapter: Any, tower: nn.Module, path: str | None) -> None:
-    """Refuse an adapter object built on another module than the tower the callback serves."""
-    if not isinstance(adapter, GraphableEncoder):
-        return
-    wrapped = getattr(adapter, "tower", tower)
-    if wrapped is not tower:
-        raise ValueError(
-            f"adapter={type(adapter).__name__} wraps a {type(wrapped).__name__} that is not "
-            f"the tower at module={path!r} ({type(tower).__name__}): build the adapter on that "
-            "tower, or pass its class or a factory, which the callback calls with the tower"
-        )
-
-
 def _flat(loaders: Any) -> list[Any]:
     """The dataloaders of a stage's loader collection (one, a list or a mapping)."""
     if isinstance(loaders, Mapping):
@@ -126,15 +109,11 @@ def _flat(loaders: Any) -> list[Any]:
     return [] if loaders is None else [loaders]
 
 
-def _short_repr(value: Any) -> str:
-    """A module by its type (its repr lists every layer), anything else by its repr."""
-    return f"a {type(value).__name__} module" if isinstance(value, nn.Module) else repr(value)
-
-
-def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:
-    """The submodule at a dotted attribute path, or for None the one tower (:func:`find_tower`)."""
+def resolve_module(pl_module: nn.Module, path: str | None, adapter: Any = None) -> nn.Module:
+    """The submodule at a dotted attribute path, or for None the one tower
+    (:func:`find_tower`, told by ``adapter``)."""
     if path is None:
-        return find_tower(pl_module)[1]
+        return find_tower(pl_module, adapter)[1]
     module, walked = pl_module, []
     for part in path.split("."):
         if not hasattr(module, part):
@@ -151,9 +130,14 @@ def resolve_module(pl_module: nn.Module, path: str | None) -> nn.Module:
     return module
 
 
-def find_tower(pl_module: nn.Module) -> tuple[str, nn.Module]:
-    """The dotted path and module of the one vision tower in ``pl_module`` (else ValueError);
-    only the outermost :func:`is_tower` counts (a timm model's blocks are parts of its tower)."""
+def find_tower(pl_module: nn.Module, adapter: Any = None) -> tuple[str, nn.Module]:
+    """The dotted path and module of the one vision tower in ``pl_module`` (else ValueError):
+    the module an adapter object wraps, or the outermost :func:`is_tower` (a timm model's
+    blocks are parts of its tower)."""
+    owner = type(pl_module).__name__
+    wrapped = getattr(adapter, "tower", None) if is_built_adapter(adapter) else None
+    if isinstance(wrapped, nn.Module):
+        return _wrapped_tower(pl_module, adapter, wrapped)
     found: list[tuple[str, nn.Module]] = []
     # named_modules walks depth first, a module before its submodules.
     for path, module in pl_module.named_modules():
@@ -161,16 +145,16 @@ def find_tower(pl_module: nn.Module) -> tuple[str, nn.Module]:
             continue  # the LightningModule itself, or a part of a tower found already
         if is_tower(module):
             found.append((path, module))
-    owner = type(pl_module).__name__
     if len(found) == 1:
         return found[0]
     if not found:
         children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
+        told = "" if adapter is None else f" (adapter={_named(adapter)} says how, not which)"
         raise ValueError(
             f"CUDAGraphCallback found no vision tower in {owner}: no submodule is a "
             "torchvision or timm model, a transformers vision model, a Qwen vision tower, "
             "a tower whose forward takes (pixel_patches, grid_thw), or a GraphableEncoder. "
-            "Pass module='<dotted path>' (and adapter=... if its type picks none); "
+            f"Pass module='<dotted path>'{told} (and adapter=... if its type picks none); "
             f"its child modules: {children}"
         )
     listed = ", ".join(f"{path!r} ({type(module).__name__})" for path, module in found)
@@ -178,6 +162,27 @@ def find_tower(pl_module: nn.Module) -> tuple[str, nn.Module]:
         f"CUDAGraphCallback found {len(found)} vision towers in {owner}: {listed}. "
         f"Pass module= the one to serve, e.g. CUDAGraphCallback(module={found[0][0]!r}), "
         "and one callback per tower."
+    )
+
+
+def _named(adapter: Any) -> str:
+    """An adapter argument as an error names it: a name by its repr, else by its name."""
+    return (
+        repr(adapter)
+        if isinstance(adapter, str)
+        else getattr(adapter, "__qualname__", type(adapter).__name__)
+    )
+
+
+def _wrapped_tower(pl_module: nn.Module, adapter: Any, wrapped: nn.Module) -> tuple[str, nn.Module]:
+    """The path of the module an adapter object wraps, which must be in ``pl_module``."""
+    for path, module in pl_module.named_modules():
+        if path and module is wrapped:
+            return path, module
+    raise ValueError(
+        f"adapter={type(adapter).__name__} wraps a {type(wrapped).__name__} that is no "
+        f"submodule of {type(pl_module).__name__}: build the adapter on the module's tower, "
+        "or pass its class or a factory (called with the tower found) and module= its path"
     )
 
 

@@ -15,14 +15,17 @@ from typing_extensions import override
 
 from lightning_cg.adapters import (
     GRAPHED_FORWARD,
+    AdapterFactory,
+    AdapterName,
     adapter_for,
+    check_adapter_serves,
+    check_config_applies,
     foreign_forward,
     foreign_forward_message,
 )
 from lightning_cg.callback.checks import (
     STAGES,
-    AdapterFactory,
-    check_adapter_serves,
+    StageName,
     check_batches_not_sharded,
     check_callback_args,
     check_one_callback_per_tower,
@@ -42,7 +45,7 @@ from lightning_cg.callback.report import (
 from lightning_cg.callback.trainer_runs import total_batches, validation_runs_after
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.binding import CHANGED, TensorBinding, tensor_layouts
-from lightning_cg.engine.config import BudgetConfig, GraphConfig
+from lightning_cg.engine.config import BudgetConfig, CapturePolicy, GraphConfig, ModeName
 from lightning_cg.engine.encoder import GraphableEncoder
 from lightning_cg.engine.manager import EncoderGraphManager
 from lightning_cg.engine.parallel import execute_data_parallel
@@ -58,7 +61,8 @@ class CUDAGraphCallback(Callback):
 
     Args:
         module: dotted path of the tower in the LightningModule; None finds the one vision
-            tower at each run's start (after ``configure_model``) and stores its path here.
+            tower at each run's start (after ``configure_model``), or the module an adapter
+            object wraps, and stores its path here.
         stages: any of ``validate`` (a fit's validation too), ``test`` and ``predict``.
         adapter: ``packed``, ``batched``, ``hf``, a GraphableEncoder, or a callable that
             builds one from the tower; None picks one by the tower's type.
@@ -66,8 +70,11 @@ class CUDAGraphCallback(Callback):
             (:func:`~lightning_cg.engine.parallel.execute_data_parallel`).
         keep_graphs: keep graphs between runs; False frees them after each run.
         config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
-        mode, budgets, capture, compile, **options: GraphConfig fields, not with ``config``;
-            mode is ``none``, ``full`` or ``full_uniform_only``.
+        mode, budgets, capture, compile, paths, max_items_per_batch, max_frames_per_batch,
+            cast_weights_per_run, plan: the :class:`~lightning_cg.engine.config.GraphConfig` fields,
+            not with ``config``; None takes the field's default. Typed, so LightningCLI takes
+            each as ``--trainer.callbacks.<name>`` and refuses a value outside its choices.
+        **options: refused, naming the options there are.
 
     Example::
 
@@ -78,15 +85,21 @@ class CUDAGraphCallback(Callback):
     def __init__(
         self,
         module: str | None = None,
-        stages: Sequence[str] = STAGES,
-        mode: str | None = None,
-        budgets: Mapping[str, Any] | BudgetConfig | None = None,
-        capture: str | None = None,
+        stages: Sequence[StageName] = STAGES,
+        mode: ModeName | GraphMode | None = None,
+        budgets: BudgetConfig | Mapping[str, Any] | None = None,
+        capture: CapturePolicy | None = None,
         compile: bool | None = None,
-        adapter: str | AdapterFactory | GraphableEncoder | None = None,
+        adapter: AdapterName | AdapterFactory | GraphableEncoder | None = None,
         encoder_data_parallel: bool = False,
         keep_graphs: bool = True,
         config: GraphConfig | None = None,
+        *,
+        paths: Mapping[str, BudgetConfig | Mapping[str, Any]] | None = None,
+        max_items_per_batch: int | None = None,
+        max_frames_per_batch: int | None = None,
+        cast_weights_per_run: bool | None = None,
+        plan: str | None = None,
         **options: Any,
     ) -> None:
         flags = {"keep_graphs": keep_graphs, "encoder_data_parallel": encoder_data_parallel}
@@ -94,10 +107,19 @@ class CUDAGraphCallback(Callback):
         self.module = module
         #: Whether setup finds the tower (module=None), each time: the model may differ.
         self._find_tower = module is None
-        named = {"mode": mode, "budgets": budgets, "capture": capture, "compile": compile}
-        options = {name: value for name, value in named.items() if value is not None} | options
+        named = {
+            "mode": mode,
+            "budgets": budgets,
+            "paths": paths,
+            "capture": capture,
+            "compile": compile,
+            "max_items_per_batch": max_items_per_batch,
+            "max_frames_per_batch": max_frames_per_batch,
+            "cast_weights_per_run": cast_weights_per_run,
+            "plan": plan,
+        }
         #: The graph options, checked once, shared with the manager.
-        self.config = GraphConfig.from_config_or_options(config, options)
+        self.config = GraphConfig.from_config_or_options(config, named | options)
         self.mode = self.config.mode
         self.stages = tuple(stages)
         self.keep_graphs = keep_graphs
@@ -131,7 +153,7 @@ class CUDAGraphCallback(Callback):
         the module's ``setup`` and ``configure_model`` have built it (they run after
         callbacks' ``setup``), and before any batch."""
         if self._find_tower:
-            self.module, tower = find_tower(pl_module)
+            self.module, tower = find_tower(pl_module, self.adapter)
         else:
             tower = resolve_module(pl_module, self.module)
         # The Trainer's enable_progress_bar=False silences the capture's bar too.
@@ -150,7 +172,7 @@ class CUDAGraphCallback(Callback):
             rank_zero_warn(foreign_forward_message(tower, where) + "; leaving it alone.")
             self._tower = self.manager = self._binding = None
             return
-        check_adapter_serves(self.adapter, tower, self.module)
+        check_adapter_serves(self.adapter, tower, f"the tower at module={self.module!r}")
         if self.manager is None or tower is not self._tower:
             # A new tower gets its own managers; a capture failure stays agreed (see
             # _agree_graphs_usable): the new tower runs eagerly through a manager of its own.
@@ -168,7 +190,9 @@ class CUDAGraphCallback(Callback):
         if mode is not None:
             # The eager manager learns nothing worth a plan: only the graphing one reads it.
             config = dataclasses.replace(config, mode=mode, plan=None)
-        return EncoderGraphManager(adapter_for(tower, self.adapter), config, self._capture_progress)
+        adapter = adapter_for(tower, self.adapter)
+        check_config_applies(adapter, config)
+        return EncoderGraphManager(adapter, config, self._capture_progress)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 #: Budget ladder shapes accepted by :func:`generate_budgets`.
-LADDERS = ("pow2", "geometric")
+Ladder = Literal["pow2", "geometric"]
+LADDERS: tuple[str, ...] = get_args(Ladder)
 
 
 def is_positive_int(value: object) -> bool:
@@ -54,6 +56,13 @@ def _pow2_ladder(min_budget: int, max_budget: int) -> list[int]:
     return budgets
 
 
+def _grown(budget: int, ratio: float) -> int:
+    """The rung after ``budget`` before rounding to ``align``."""
+    # round() drops float noise such as 100 * 1.1 = 110.00000000000001, which
+    # ceil would turn into 111; the +1 keeps the ladder strictly increasing.
+    return max(math.ceil(round(budget * ratio, 6)), budget + 1)
+
+
 def _geometric_ladder(min_budget: int, max_budget: int, ratio: float, align: int) -> list[int]:
     budgets = []
     budget = min_budget
@@ -61,11 +70,35 @@ def _geometric_ladder(min_budget: int, max_budget: int, ratio: float, align: int
         budgets.append(budget)
         if budget * ratio >= max_budget:
             break  # the next rung is max_budget, which the caller appends
-        # round() drops float noise such as 100 * 1.1 = 110.00000000000001, which
-        # ceil would turn into 111; the +1 keeps the ladder strictly increasing.
-        grown = max(math.ceil(round(budget * ratio, 6)), budget + 1)
-        budget = math.ceil(grown / align) * align
+        budget = math.ceil(_grown(budget, ratio) / align) * align
     return budgets
+
+
+def check_geometric_rungs(min_budget: int, max_budget: int, ratio: float, align: int) -> None:
+    """Refuse (ValueError) a ``ratio`` or ``align`` that leaves the geometric ladder from
+    ``min_budget`` to ``max_budget`` only its two ends where doubling would put rungs between
+    them: every sub-batch would pad to one of the ends."""
+    check_range(min_budget, max_budget)
+    check_ladder("geometric", ratio, align)
+    if (
+        2 * min_budget >= max_budget
+        or len(_geometric_ladder(min_budget, max_budget, ratio, align)) > 1
+    ):
+        return
+    ends = f"budgets=[{min_budget}, {max_budget}]"
+    if min_budget * ratio >= max_budget:
+        raise ValueError(
+            f"ratio={ratio!r} leaves the geometric ladder from {min_budget} to {max_budget} "
+            f"only its two ends (its first step passes {max_budget}): choose a ratio below "
+            f"{max_budget / min_budget:g}, or list the ends alone as {ends}"
+        )
+    first = _grown(min_budget, ratio)
+    raise ValueError(
+        f"align={align!r} rounds the first rung of the geometric ladder from {min_budget} to "
+        f"{max_budget}, {first}, up to {math.ceil(first / align) * align}, past {max_budget}, "
+        f"leaving the ladder only its two ends: choose an align of at most "
+        f"{max_budget - first}, or list the ends alone as {ends}"
+    )
 
 
 def generate_budgets(
@@ -74,7 +107,8 @@ def generate_budgets(
     """Strictly increasing budgets, ``min_budget`` first and ``max_budget`` last.
 
     ``pow2`` doubles from ``min_budget``; ``geometric`` grows by ``ratio`` (> 1) and
-    rounds the inner rungs up to a multiple of ``align``.
+    rounds the inner rungs up to a multiple of ``align`` (:func:`check_geometric_rungs`
+    refuses a choice of them that leaves only the two ends).
 
     Example:
         >>> generate_budgets(64, 1000)

@@ -5,14 +5,23 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
-from lightning_cg.core.budgets import check_budget_list, check_ladder, check_range
+from lightning_cg.core.budgets import (
+    Ladder,
+    check_budget_list,
+    check_geometric_rungs,
+    check_ladder,
+    check_range,
+)
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.compiled import check_compile
 
 #: When a key is captured (``capture``; see :class:`GraphConfig`).
-CAPTURE_POLICIES = ("paid_back", "first_use", "upfront")
+CapturePolicy = Literal["paid_back", "first_use", "upfront"]
+CAPTURE_POLICIES: tuple[str, ...] = get_args(CapturePolicy)
+#: The values of :class:`~lightning_cg.core.dispatcher.GraphMode`, as users write them.
+ModeName = Literal["none", "full", "full_uniform_only"]
 
 
 def _check_positive_int(name: str, value: Any, none_ok: bool = False) -> None:
@@ -49,7 +58,7 @@ class BudgetConfig:
     min_budget: int | None = None
     max_budget: int | None = None
     budgets: Sequence[int] | None = None
-    ladder: str = "pow2"
+    ladder: Ladder = "pow2"
     ratio: float = 1.25
     align: int = 16
 
@@ -128,7 +137,8 @@ class GraphConfig:
 
     Attributes:
         paths: per encoder path, a whole budget choice used on that path instead of
-            ``budgets`` (keys are not merged).
+            ``budgets``: keys it leaves out take BudgetConfig's defaults, not those of
+            ``budgets`` (a mapping and a BudgetConfig alike).
         max_items_per_batch: most items in one sub-batch; None derives it from the budgets.
         max_frames_per_batch: attention sequences a graph holds; None is
             ``max_items_per_batch * max_frames_per_item``. Larger sub-batches run eagerly.
@@ -142,14 +152,14 @@ class GraphConfig:
             written at each run's end by the callback and on leaving ``graphed``. None: none.
     """
 
-    # str too: LightningCLI parses an enum by its member's name (FULL), users write its value.
-    mode: GraphMode | str = GraphMode.FULL
+    # Its value too: LightningCLI parses an enum by its member's name (FULL), users write its value.
+    mode: GraphMode | ModeName = GraphMode.FULL
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
     paths: Mapping[str, BudgetConfig] = field(default_factory=dict)
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
     compile: bool = False
-    capture: str = "paid_back"
+    capture: CapturePolicy = "paid_back"
     cast_weights_per_run: bool = True
     plan: str | None = None
 
@@ -175,13 +185,17 @@ class GraphConfig:
         if not self.compile:
             self._check_compile_only_options()
         _check_plan(self.plan)
+        for where, choice in self._budget_choices():
+            if None not in (choice.min_budget, choice.max_budget):
+                check_rungs(where, choice, choice.min_budget, choice.max_budget)
+
+    def _budget_choices(self) -> list[tuple[str, BudgetConfig]]:
+        """Each budget choice with the option that holds it: ``budgets``, ``paths.<path>``."""
+        return [("budgets", self.budgets), *((f"paths.{p}", c) for p, c in self.paths.items())]
 
     def _check_compile_only_options(self) -> None:
         """Refuse ``align`` of a pow2 ladder: only compiling reads it (its ladder is geometric)."""
-        for where, choice in (
-            ("budgets", self.budgets),
-            *((f"paths.{path}", choice) for path, choice in self.paths.items()),
-        ):
+        for where, choice in self._budget_choices():
             if choice.budgets is None and choice.ladder == "pow2" and _is_set(choice, "align"):
                 raise ValueError(
                     f"{where}.align={choice.align!r} is read only by compiled capture here, "
@@ -192,15 +206,17 @@ class GraphConfig:
     def from_config_or_options(
         cls, config: GraphConfig | None, options: Mapping[str, Any]
     ) -> GraphConfig:
-        """``config``, else one built from ``options``; a ValueError for both, or for a
-        ``config`` that is no GraphConfig."""
+        """``config``, else one built from ``options`` (an option given as None takes its
+        default); a ValueError for both, or for a ``config`` that is no GraphConfig."""
         if config is not None and not isinstance(config, GraphConfig):
             raise ValueError(f"config must be a GraphConfig or None; got config={config!r}")
-        if config is not None and options:
+        _check_option_names(options)
+        given = {name: value for name, value in options.items() if value is not None}
+        if config is not None and given:
             raise ValueError(
-                f"config holds every graph option; pass {sorted(options)} inside it, not beside it"
+                f"config holds every graph option; pass {sorted(given)} inside it, not beside it"
             )
-        return config if config is not None else cls.from_options(**options)
+        return config if config is not None else cls.from_options(**given)
 
     @classmethod
     def from_options(
@@ -210,18 +226,14 @@ class GraphConfig:
         **options: Any,
     ) -> GraphConfig:
         """A GraphConfig from plain values (Hydra, keywords): ``budgets`` and each ``paths`` entry
-        may be mappings of :data:`BUDGET_FIELDS`, a path's overriding the keys it names."""
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            raise ValueError(f"unknown graph option(s) {unknown}; allowed: {', '.join(names)}")
+        may be mappings of :data:`BUDGET_FIELDS`; a path's entry is its whole budget choice
+        (the keys it leaves out take BudgetConfig's defaults, not those of ``budgets``)."""
+        _check_option_names(options)
         base = BudgetConfig.from_mapping("budgets", budgets)
         if paths is not None and not isinstance(paths, Mapping):
             raise ValueError(f"paths must map path names to budget choices; got paths={paths!r}")
         path_budgets = {
-            path: choice
-            if isinstance(choice, BudgetConfig)
-            else _path_budgets(path, budgets, choice)
+            path: BudgetConfig.from_mapping(f"paths.{path}", choice)
             for path, choice in (paths or {}).items()
         }
         return cls(budgets=base, paths=path_budgets, **options)
@@ -237,31 +249,23 @@ def _check_plan(plan: Any) -> None:
         raise ValueError(f"plan must be a JSON file path, not a folder; got plan={plan!r}")
 
 
-def _path_budgets(path: str, budgets: Any, choice: Any) -> BudgetConfig:
-    """``paths.<path>``'s BudgetConfig; an error names the keys it took from ``budgets``."""
-    own = _as_mapping(choice, f"paths.{path}")
-    merged = _path_mapping(_as_mapping(budgets), own)
+def check_rungs(where: str, choice: BudgetConfig, min_budget: int, max_budget: int) -> None:
+    """Refuse a geometric ``choice`` whose ratio or align leaves its ladder from ``min_budget``
+    to ``max_budget`` only its two ends (:func:`~lightning_cg.core.budgets.check_geometric_rungs`);
+    the error names the option ``where`` holds it."""
+    if choice.budgets is not None or choice.ladder != "geometric":
+        return
     try:
-        return BudgetConfig.from_mapping(f"paths.{path}", merged)
+        check_geometric_rungs(min_budget, max_budget, choice.ratio, choice.align)
     except ValueError as error:
-        inherited = ", ".join(f"{k}={v!r}" for k, v in merged.items() if k not in own)
-        if not inherited:
-            raise
-        raise ValueError(f"{error} ({inherited} from budgets)") from None
+        raise ValueError(f"{where}.{error}") from None
 
 
-def _path_mapping(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
-    """A path's budget keys: its own, then those of ``budgets`` that apply to its ladder."""
-    if own.get("budgets") is not None:
-        return dict(own)
-    inherited = dict(base)
-    if own.keys() & {"ladder", "min_budget", "max_budget"}:
-        inherited.pop("budgets", None)  # the path generates its own ladder
-    ladder = own.get("ladder", inherited.get("ladder", BudgetConfig.ladder))
-    for name, ladders in _LADDER_OPTIONS.items():
-        if ladder not in ladders:
-            inherited.pop(name, None)
-    return {**inherited, **own}
+def _check_option_names(options: Mapping[str, Any]) -> None:
+    names = [f.name for f in fields(GraphConfig)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ValueError(f"unknown graph option(s) {unknown}; allowed: {', '.join(names)}")
 
 
 def _is_set(choice: BudgetConfig, name: str) -> bool:
@@ -270,11 +274,9 @@ def _is_set(choice: BudgetConfig, name: str) -> bool:
     return value is not None and value != _BUDGET_DEFAULTS[name]
 
 
-def _as_mapping(choice: Any, field_name: str = "budgets") -> dict[str, Any]:
+def _as_mapping(choice: Any, field_name: str) -> dict[str, Any]:
     if choice is None:
         return {}
-    if isinstance(choice, BudgetConfig):
-        return {f.name: getattr(choice, f.name) for f in fields(BudgetConfig)}
     if not isinstance(choice, Mapping):
         raise ValueError(
             f"{field_name} must be a mapping of {', '.join(BUDGET_FIELDS)}; got {choice!r}"

@@ -17,18 +17,21 @@ from torch import nn
 from lightning_cg.adapters import (
     GRAPHED_FORWARD,
     adapter_for,
+    check_adapter_serves,
+    check_config_applies,
     foreign_forward,
     foreign_forward_message,
 )
 from lightning_cg.engine.config import GraphConfig
+from lightning_cg.engine.encoder import GraphableEncoder
 from lightning_cg.engine.manager import EncoderGraphManager
 
 
 class GraphedTower:
     """What :func:`graphed` returns: each ``with`` routes the tower's forward through a new
-    :class:`~lightning_cg.engine.manager.EncoderGraphManager` (``manager``)."""
+    :class:`~lightning_cg.engine.manager.EncoderGraphManager` (``manager``) of ``adapter``."""
 
-    def __init__(self, tower: nn.Module, adapter: Any, config: GraphConfig) -> None:
+    def __init__(self, tower: nn.Module, adapter: GraphableEncoder, config: GraphConfig) -> None:
         self.tower = tower
         self.manager: EncoderGraphManager | None = None
         self._adapter = adapter
@@ -51,8 +54,8 @@ class GraphedTower:
             )
         if foreign_forward(tower) is not None:
             raise RuntimeError(foreign_forward_message(tower, "graphed"))
-        # Built before the forward changes: a bad adapter or option leaves the tower as it was.
-        manager = EncoderGraphManager(adapter_for(tower, self._adapter), self._config)
+        # Built before the forward changes: a ladder that cannot work leaves the tower as it was.
+        manager = EncoderGraphManager(self._adapter, self._config)
         manager.begin_run()
 
         def graphed_forward(*args: Any, **kwargs: Any) -> Any:
@@ -90,14 +93,21 @@ def graphed(
     ``torch.inference_mode()`` and ``tower.eval()``).
 
     Args:
-        adapter: as for :func:`~lightning_cg.adapters.adapter_for`.
+        adapter: as for :func:`~lightning_cg.adapters.adapter_for`; built here, once, and an
+            adapter object must wrap ``tower``.
         config: every graph option as one :class:`~lightning_cg.engine.config.GraphConfig`.
-        **options: GraphConfig fields instead of ``config`` (``mode``, ``budgets``, ...).
+        **options: GraphConfig fields instead of ``config`` (``mode``, ``budgets``, ...);
+            None takes the field's default.
 
-    Raises TypeError for a ``tower`` that is no module, ValueError for a bad option; on
-    entering, RuntimeError when it is already inside ``graphed`` or its forward is set on
-    the instance by another wrapper, and what ``adapter_for`` and the manager raise.
+    Raises TypeError for a ``tower`` that is no module, ValueError for a bad option or
+    adapter, and what ``adapter_for`` raises; on entering, RuntimeError when it is already
+    inside ``graphed`` or its forward is set on the instance by another wrapper, and what
+    the manager raises for budgets the tower cannot use.
     """
     if not isinstance(tower, nn.Module):
         raise TypeError(f"graphed serves a torch.nn.Module's forward; got {type(tower).__name__}")
-    return GraphedTower(tower, adapter, GraphConfig.from_config_or_options(config, options))
+    graph_config = GraphConfig.from_config_or_options(config, options)
+    check_adapter_serves(adapter, tower, "the tower passed to graphed")
+    encoder = adapter_for(tower, adapter)
+    check_config_applies(encoder, graph_config)
+    return GraphedTower(tower, encoder, graph_config)

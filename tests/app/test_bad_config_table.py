@@ -19,7 +19,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, HydraException
 from hydra.utils import get_class
 from omegaconf import OmegaConf
-from test_app import CONF, ROOT, TINY_TOWER, compose_config
+from test_app import CONF, ROOT, TINY_TOWER, TINY_VIT, compose_config
 
 import lightning_cg.app.runner
 from bench.settings import resolve_settings
@@ -28,6 +28,7 @@ from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 from lightning_cg.engine.manager import EncoderGraphManager
+from lightning_cg.serve.graphed import graphed
 
 #: Seconds a refusal may take: composing, and at most building the model.
 FAST_SECONDS = 20
@@ -82,6 +83,12 @@ HYDRA_ROWS = [
     ("predict", ["cudagraph.mode=fast"], "mode"),
     ("predict", ["cudagraph.packing=best"], "packing"),
     ("predict", ["cudagraph.adapter=packd"], "adapter"),
+    # an adapter node built before the tower exists
+    (
+        "predict",
+        ["cudagraph.adapter={_target_: lightning_cg.adapters.packed.PackedEncoderAdapter}"],
+        "_partial_",
+    ),
     ("predict", ["cudagraph.capture=eventually"], "capture"),
     ("predict", ["cudagraph.max_items_per_batch=0"], "max_items_per_batch"),
     ("predict", ["cudagraph.max_items_per_batch=true"], "max_items_per_batch"),
@@ -95,6 +102,15 @@ HYDRA_ROWS = [
     ("predict", ["cudagraph.paths={local:{budgts:[64]}}"], "budgts"),
     ("predict", ["cudagraph.paths={local:{max_budget:abc}}"], "max_budget"),
     ("predict", ["+cudagraph.verfy=true"], "verfy"),
+    # a geometric ladder left only its two ends
+    ("predict", ["cudagraph/budgets=geometric", "cudagraph.budgets.ratio=1e308"], "ratio"),
+    ("predict", ["cudagraph/budgets=geometric", "cudagraph.budgets.align=1000000000"], "align"),
+    # an option a batch-first tower would only turn into eager runs
+    (
+        "predict",
+        [*TINY_VIT, "data=fake", "cudagraph.max_frames_per_batch=2"],
+        "max_frames_per_batch",
+    ),
     # the app's own keys
     ("predict", ["+pases=3"], "pases"),
     ("predict", ["passes=many"], "passes"),
@@ -161,6 +177,10 @@ def graph_config(**options):
 
 def manager(**options):
     return lambda: EncoderGraphManager(tiny_adapter(), **options)
+
+
+def served(**options):
+    return lambda: graphed(tiny_adapter().tower, **options)
 
 
 # (id, call, field the message names)
@@ -249,6 +269,30 @@ PYTHON_ROWS = [
     ),
     ("manager max_budget=99999999", manager(budgets={"max_budget": 99999999}), "max_budget"),
     ("manager unknown path name", manager(paths={"glob": {}}), "paths"),
+    (
+        "graphed geometric align=10**9",
+        served(budgets={"ladder": "geometric", "align": 10**9}),
+        "budgets.align",
+    ),
+    (
+        "graphed geometric ratio=1e308",
+        served(budgets={"ladder": "geometric", "ratio": 1e308}),
+        "budgets.ratio",
+    ),
+    (
+        "config geometric ratio=1e308 between given ends",
+        graph_config(
+            paths={
+                "local": {
+                    "min_budget": 64,
+                    "max_budget": 1024,
+                    "ladder": "geometric",
+                    "ratio": 1e308,
+                }
+            }
+        ),
+        "paths.local.ratio",
+    ),
     (
         "manager path budget too large",
         manager(paths={"global": {"budgets": [10**9]}}),
@@ -350,6 +394,10 @@ def test_a_budget_that_fits_and_matching_data_pass_the_checks(monkeypatch):
         ["model=vit_b_16", "data=fake", "data.image_size=224"],
         ["model=vit_b_16", "data=photos"],
         ["data=synthetic", "data.merge_size=2", "+cudagraph.paths.global.max_budget=1024"],
+        [
+            "cudagraph.adapter={_target_: lightning_cg.adapters.packed.PackedEncoderAdapter, "
+            "_partial_: true}"
+        ],
     ]
     for overrides in sane:
         with pytest.raises(WorkStarted):

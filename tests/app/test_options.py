@@ -1,13 +1,13 @@
 """Every option is declared once, in GraphConfig: the callback, the Hydra schema and
-the YAML follow from it; the callback takes the common ones by name and the rest
-as keywords or one ``config``."""
+the YAML follow from it; the callback takes each by name, or all as one ``config``."""
 
 import dataclasses
 import inspect
 
 import pytest
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_app import CONF
+from test_app import CONF, compose_config
 from torch import nn
 
 from lightning_cg.adapters import adapter_for
@@ -36,13 +36,12 @@ def config_defaults(config: object) -> dict:
     return values
 
 
-def test_the_callback_takes_few_named_arguments():
+def test_the_callback_names_its_own_arguments_and_every_graph_option():
+    # A named argument is what LightningCLI can set (--trainer.callbacks.<name>).
     parameters = inspect.signature(CUDAGraphCallback).parameters
     named = [name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD]
-    assert len(named) <= 10
-    assert set(CALLBACK_OWN) <= set(named)
-    graph_fields = {f.name for f in dataclasses.fields(GraphConfig)}
-    assert set(named) - set(CALLBACK_OWN) - {"config"} <= graph_fields
+    graph_fields = [f.name for f in dataclasses.fields(GraphConfig)]
+    assert sorted(named) == sorted([*CALLBACK_OWN, *graph_fields, "config"])
 
 
 def test_the_schema_is_the_callbacks_own_arguments_and_every_graph_option():
@@ -119,3 +118,30 @@ def test_adapter_takes_a_name_an_adapter_or_a_factory():
         CUDAGraphCallback(adapter=42)
     with pytest.raises(ValueError, match="adapter must be one of"):
         CUDAGraphCallback(adapter=Doubler())  # a module, not an adapter
+
+
+def test_a_path_entry_replaces_budgets_whole_in_every_form():
+    """The Python mapping, a BudgetConfig and the Hydra override give one budget choice:
+    the entry's keys, BudgetConfig's defaults for the rest (none taken from budgets)."""
+    budgets = {"min_budget": 8, "ladder": "geometric", "ratio": 1.5}
+    hydra = compose_config(
+        "predict",
+        [
+            "cudagraph/budgets=geometric",
+            "cudagraph.budgets.min_budget=8",
+            "cudagraph.budgets.ratio=1.5",
+            "+cudagraph.paths.local.max_budget=64",
+        ],
+    )
+    forms = {
+        "mapping": CUDAGraphCallback(budgets=budgets, paths={"local": {"max_budget": 64}}),
+        "BudgetConfig": CUDAGraphCallback(
+            budgets=budgets, paths={"local": BudgetConfig(max_budget=64)}
+        ),
+        "hydra": instantiate(hydra.cudagraph),
+    }
+    chosen = {form: callback.config.paths["local"] for form, callback in forms.items()}
+    assert chosen == dict.fromkeys(forms, BudgetConfig(max_budget=64))
+    assert {form: callback.config.budgets for form, callback in forms.items()} == dict.fromkeys(
+        forms, BudgetConfig(**budgets)
+    )

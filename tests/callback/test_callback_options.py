@@ -8,11 +8,14 @@ and ``adapter`` by the errors of test_callback.py.
 """
 
 import functools
+import re
 import warnings
 
 import pytest
 import torch
 from test_callback import BUDGETS, datamodule, model, predictions, trainer
+from test_find_tower import PlainTower
+from torch.utils.data import DataLoader
 
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.callback.graph_callback import CUDAGraphCallback
@@ -123,3 +126,36 @@ def test_compile_replays_a_compiled_graph_forward(eager, monkeypatch):
 
 def _compile_with_eager_backend(compile_, function, **options):
     return compile_(function, **{**options, "backend": "eager"})
+
+
+# (id, the model, callback options, what the refusal says)
+OPTIONS_THE_TOWER_WOULD_NOT_USE = [
+    (
+        "a geometric align past the range",
+        model,
+        {"budgets": {"ladder": "geometric", "align": 10**9}},
+        "budgets.align=1000000000 rounds the first rung of the geometric ladder",
+    ),
+    (
+        "max_frames_per_batch on a batch-first tower",
+        PlainTower,
+        {"module": "body", "adapter": "batched", "max_frames_per_batch": 2},
+        "max_frames_per_batch=2 counts the attention sequences (frames) of a packed tower's",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("make_model", "options", "refusal"),
+    [row[1:] for row in OPTIONS_THE_TOWER_WOULD_NOT_USE],
+    ids=[row[0] for row in OPTIONS_THE_TOWER_WOULD_NOT_USE],
+)
+def test_an_option_the_tower_would_not_use_is_refused_before_any_batch(
+    make_model, options, refusal
+):
+    callback = CUDAGraphCallback(**options)
+    net = make_model()
+    loader = datamodule() if make_model is model else DataLoader(torch.randn(4, 4), batch_size=2)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        trainer(callback).predict(net, loader)
+    assert callback.manager is None and "forward" not in callback._tower.__dict__

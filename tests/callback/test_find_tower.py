@@ -1,5 +1,7 @@
 """CUDAGraphCallback() without ``module`` finds the one vision tower of the LightningModule."""
 
+import re
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -308,3 +310,55 @@ def test_a_tower_in_a_module_list_is_served_at_the_indexed_path_the_error_sugges
     graphed = torch.cat(trainer(callback).predict(model, images))
     torch.testing.assert_close(graphed, torch.cat(trainer().predict(model, images)))
     assert callback._tower is model.towers[1] and callback.last_stats["hits"] > 0
+
+
+class PlainTower(LightningModule):
+    """A batch-first tower of no type an adapter is picked for, at ``body``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+
+    def predict_step(self, batch, batch_idx):
+        return self.body(batch)
+
+
+def test_an_adapter_object_names_the_tower_to_find():
+    model = PlainTower()
+    rows = DataLoader(torch.randn(6, 4), batch_size=3)
+    callback = CUDAGraphCallback(adapter=BatchedEncoderAdapter(model.body), capture="first_use")
+
+    graphed = torch.cat(trainer(callback).predict(model, rows))
+
+    assert callback.module == "body" and callback._tower is model.body
+    assert callback.last_stats["items"] == 6 and callback.last_stats["hits"] > 0
+    torch.testing.assert_close(graphed, torch.cat(trainer().predict(model, rows)))
+
+
+# (id, adapter of CUDAGraphCallback(module=None), what the refusal says)
+ADAPTERS_THAT_FIND_NO_TOWER = [
+    (
+        "an adapter object of a module outside the model",
+        lambda: BatchedEncoderAdapter(nn.Linear(4, 4)),
+        "adapter=BatchedEncoderAdapter wraps a Linear that is no submodule of PlainTower",
+    ),
+    (
+        "a name, which says how but not which",
+        lambda: "batched",
+        "Pass module='<dotted path>' (adapter='batched' says how, not which)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("adapter", "named"),
+    [row[1:] for row in ADAPTERS_THAT_FIND_NO_TOWER],
+    ids=[row[0] for row in ADAPTERS_THAT_FIND_NO_TOWER],
+)
+def test_an_adapter_that_cannot_tell_the_tower_is_refused_before_any_batch(adapter, named):
+    model = PlainTower()
+    callback = CUDAGraphCallback(adapter=adapter())
+    with pytest.raises(ValueError, match=re.escape(named)):
+        trainer(callback).predict(model, DataLoader(torch.randn(2, 4), batch_size=2))
+    assert callback.manager is None and "forward" not in model.body.__dict__

@@ -1,8 +1,15 @@
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_cg.core.budgets import generate_budgets, resolve_budgets, smallest_fitting_budget
+from lightning_cg.core.budgets import (
+    check_geometric_rungs,
+    generate_budgets,
+    resolve_budgets,
+    smallest_fitting_budget,
+)
 
 
 @pytest.mark.parametrize(
@@ -32,6 +39,83 @@ def test_geometric_ladder_ignores_float_noise():
 def test_a_ratio_past_the_range_gives_its_two_ends():
     # 64 * 1e308 overflows to inf: the ladder must not round it.
     assert generate_budgets(64, 1024, "geometric", ratio=1e308, align=16) == [64, 1024]
+
+
+# (id, min_budget, max_budget, ratio, align, the refusal)
+LADDERS_LEFT_TWO_ENDS = [
+    (
+        "a ratio that overflows",
+        64,
+        1024,
+        1e308,
+        16,
+        "ratio=1e+308 leaves the geometric ladder from 64 to 1024 only its two ends (its "
+        "first step passes 1024): choose a ratio below 16, or list the ends alone as "
+        "budgets=[64, 1024]",
+    ),
+    (
+        "a ratio of the whole range",
+        64,
+        1024,
+        16,
+        16,
+        "ratio=16 leaves the geometric ladder from 64 to 1024 only its two ends",
+    ),
+    (
+        "an align past the range",
+        64,
+        1024,
+        1.25,
+        10**9,
+        "align=1000000000 rounds the first rung of the geometric ladder from 64 to 1024, 80, "
+        "up to 1000000000, past 1024, leaving the ladder only its two ends: choose an align "
+        "of at most 944, or list the ends alone as budgets=[64, 1024]",
+    ),
+    (
+        "the default align on batch sizes",
+        1,
+        8,
+        1.25,
+        16,
+        "align=16 rounds the first rung of the geometric ladder from 1 to 8, 2, up to 16",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("min_budget", "max_budget", "ratio", "align", "refusal"),
+    [row[1:] for row in LADDERS_LEFT_TWO_ENDS],
+    ids=[row[0] for row in LADDERS_LEFT_TWO_ENDS],
+)
+def test_a_geometric_ladder_left_its_two_ends_is_refused_naming_the_value(
+    min_budget, max_budget, ratio, align, refusal
+):
+    assert generate_budgets(min_budget, max_budget, "geometric", ratio, align) == [
+        min_budget,
+        max_budget,
+    ]
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        check_geometric_rungs(min_budget, max_budget, ratio, align)
+
+
+@given(
+    min_budget=st.integers(1, 2000),
+    span=st.integers(0, 20000),
+    ratio=st.floats(1.01, 3.0),
+    align=st.integers(1, 64),
+)
+def test_only_a_geometric_ladder_of_its_two_ends_where_doubling_has_rungs_is_refused(
+    min_budget, span, ratio, align
+):
+    max_budget = min_budget + span
+    collapsed = len(generate_budgets(min_budget, max_budget, "geometric", ratio, align)) == 2
+    refused = collapsed and len(generate_budgets(min_budget, max_budget)) > 2
+    try:
+        check_geometric_rungs(min_budget, max_budget, ratio, align)
+    except ValueError as error:
+        assert refused and "only its two ends" in str(error)
+    else:
+        assert not refused
 
 
 @pytest.mark.parametrize("ratio", [float("inf"), float("nan")])

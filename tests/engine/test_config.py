@@ -1,4 +1,4 @@
-"""GraphConfig's budget choices: what a path's entry inherits from ``budgets``."""
+"""GraphConfig's budget choices: a path's entry replaces ``budgets``; errors name the option."""
 
 import re
 
@@ -7,42 +7,21 @@ import pytest
 from lightning_cg.engine.config import BudgetConfig, GraphConfig
 
 
-def test_a_path_entry_inherits_only_what_applies_to_its_own_ladder():
-    config = GraphConfig.from_options(
-        budgets={"min_budget": 8, "ladder": "geometric", "ratio": 1.5},
-        paths={"local": {"ladder": "pow2"}, "global": {"max_budget": 64}},
-    )
-    assert config.paths["local"] == BudgetConfig(min_budget=8, ladder="pow2")
-    assert config.paths["global"] == BudgetConfig(
-        min_budget=8, max_budget=64, ladder="geometric", ratio=1.5
-    )
-
-
-def test_an_explicit_ladder_of_a_path_stands_alone():
-    config = GraphConfig.from_options(
-        budgets={"min_budget": 8, "ladder": "geometric", "ratio": 1.5},
-        paths={"local": {"budgets": [16, 32]}},
-    )
-    assert config.paths["local"] == BudgetConfig(budgets=[16, 32])
-    assert config.budgets == BudgetConfig(min_budget=8, ladder="geometric", ratio=1.5)
-
-
-def test_a_path_generating_its_ladder_drops_the_global_explicit_one():
-    config = GraphConfig.from_options(
-        budgets={"budgets": [8, 16]}, paths={"local": {"max_budget": 64}}
-    )
-    assert config.paths["local"] == BudgetConfig(max_budget=64)
-
-
-def test_a_path_error_names_the_keys_it_took_from_budgets():
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "paths.local.min_budget must be a positive integer <= max_budget; got min_budget=64, "
-            "max_budget=32 (min_budget=64 from budgets)"
-        ),
-    ):
-        GraphConfig.from_options(budgets={"min_budget": 64}, paths={"local": {"max_budget": 32}})
+@pytest.mark.parametrize(
+    ("budgets", "entry"),
+    [
+        ({"min_budget": 8, "ladder": "geometric", "ratio": 1.5}, {"ladder": "pow2"}),
+        ({"min_budget": 8, "ladder": "geometric", "ratio": 1.5}, {"max_budget": 64}),
+        # merged, these two would contradict each other
+        ({"min_budget": 64}, {"max_budget": 32}),
+    ],
+    ids=["pow2 entry under geometric budgets", "max-only entry", "entry below budgets' min"],
+)
+def test_a_path_entry_replaces_budgets_whole_as_a_mapping_or_a_budget_config(budgets, entry):
+    as_mapping = GraphConfig.from_options(budgets=budgets, paths={"local": entry})
+    as_object = GraphConfig.from_options(budgets=budgets, paths={"local": BudgetConfig(**entry)})
+    assert as_mapping.paths["local"] == as_object.paths["local"] == BudgetConfig(**entry)
+    assert as_mapping.budgets == BudgetConfig(**budgets)
 
 
 def test_compile_only_options_are_accepted_with_compile():

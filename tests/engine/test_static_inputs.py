@@ -13,6 +13,7 @@ from examples.models.packed_vit import PackedViT, PackedViTConfig, patchify
 from lightning_cg.adapters.packed import PackedEncoderAdapter
 from lightning_cg.engine.manager import BudgetConfig, EncoderGraphManager
 from lightning_cg.engine.replay import relative_error
+from lightning_cg.engine.replay_checks import FIRST_PADDED_CHECKS
 from lightning_cg.engine.static_inputs import MAX_STAGING_SLOTS, PieceRows, StaticInputs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -226,7 +227,9 @@ def test_cuda_replay_of_gathered_items_does_not_wait_for_the_gpu():
     patches, grid_thw = patchify(images([(2, 4), (6, 8), (4, 2)], seed=4), PATCH)
     call = (patches.cuda(), grid_thw.cuda())
     with torch.no_grad():
-        manager.execute(manager.encoder.inputs_from_call(call, {}))  # captures
+        # Captures, then the replays checked against eager (which waits for the GPU).
+        for _ in range(FIRST_PADDED_CHECKS):
+            manager.execute(manager.encoder.inputs_from_call(call, {}))
         # Reading grid_thw on the host waits for the GPU: outside the check.
         inputs = manager.encoder.inputs_from_call(call, {})
         torch.cuda.set_sync_debug_mode("error")
@@ -235,5 +238,5 @@ def test_cuda_replay_of_gathered_items_does_not_wait_for_the_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         expected = tower(*call)
-    assert manager.stats.hits == 4
+    assert manager.stats.hits == 2 * (FIRST_PADDED_CHECKS + 1)
     assert relative_error(output, expected) < 1e-4

@@ -194,6 +194,51 @@ def test_bad_workload_names_the_field(name):
         Workload.parse(name)
 
 
+# (id, arguments, what the parser's refusal says)
+REFUSED_ARGUMENTS = [
+    ("kwargs a list", ["--callback-kwargs", "[1, 2]"], "--callback-kwargs: must be a JSON object"),
+    (
+        "kwargs not JSON",
+        ["--callback-kwargs", "{capture"],
+        "--callback-kwargs: must be a JSON object",
+    ),
+    (
+        "kwargs a bad option",
+        ["--callback-kwargs", '{"capture": "later"}'],
+        "capture must be one of paid_back, first_use, upfront; got capture='later'",
+    ),
+    (
+        "kwargs naming module",
+        ["--callback-kwargs", '{"module": "tower"}'],
+        "multiple values for keyword argument 'module'",
+    ),
+    (
+        "a missing row file",
+        ["--from-json", "missing.json"],
+        "--from-json: no such file: missing.json",
+    ),
+    ("min-side 0", ["--min-side", "0"], "--min-side: must be a positive integer; got '0'"),
+    ("max-side -5", ["--max-side=-5"], "--max-side: must be a positive integer; got '-5'"),
+    (
+        "an unknown precision",
+        ["--precision", "fp7", "--check"],
+        "--precision: invalid choice: 'fp7' (choose from 'bf16-mixed', 'bf16-true'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "refusal"),
+    [row[1:] for row in REFUSED_ARGUMENTS],
+    ids=[row[0] for row in REFUSED_ARGUMENTS],
+)
+def test_a_bad_argument_is_refused_by_the_parser_naming_it(arguments, refusal, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        load_script().parse_args([*arguments, f"--output={tmp_path / 'rows.json'}"])
+    assert exited.value.code == 2
+    assert refusal in capsys.readouterr().err
+
+
 @pytest.mark.cuda
 def test_every_method_on_cuda(tmp_path):
     output = tmp_path / "trainer.json"

@@ -1,5 +1,6 @@
 """graphed(tower): the manager around a tower's forward in a plain PyTorch loop."""
 
+import re
 import subprocess
 import sys
 
@@ -9,6 +10,8 @@ from torchvision.models import resnet18
 from toy_encoder import ToyEncoder, ToyTower
 
 import lightning_cg
+from lightning_cg.adapters.batched import BatchedEncoderAdapter
+from lightning_cg.engine.config import GraphConfig
 from lightning_cg.serve.graphed import graphed
 
 
@@ -134,6 +137,66 @@ def test_a_bad_option_is_refused_by_graphed_itself():
     with pytest.raises(ValueError, match=r"config must be a GraphConfig or None; got config=\{"):
         graphed(tower, config={"mode": "full"})
     assert "forward" not in tower.__dict__
+
+
+# (id, graphed's arguments besides the tower, error, what the message names)
+REFUSED_AT_THE_CALL = [
+    (
+        "an adapter built on another tower",
+        lambda: {"adapter": BatchedEncoderAdapter(tiny_resnet())},
+        ValueError,
+        "adapter=BatchedEncoderAdapter wraps a ResNet that is not the tower passed to graphed",
+    ),
+    (
+        "a module that is no adapter",
+        lambda: {"adapter": torch.nn.Linear(2, 2)},
+        ValueError,
+        "does not implement GraphableEncoder is a tower, not its adapter); "
+        "got adapter=a Linear module",
+    ),
+    (
+        "a named adapter that cannot serve the tower",
+        lambda: {"adapter": "packed"},
+        TypeError,
+        "use adapter='batched'",
+    ),
+    (
+        "max_frames_per_batch on a batch-first tower",
+        lambda: {"max_frames_per_batch": 2},
+        ValueError,
+        "max_frames_per_batch=2 counts the attention sequences",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "named"),
+    [row[1:] for row in REFUSED_AT_THE_CALL],
+    ids=[row[0] for row in REFUSED_AT_THE_CALL],
+)
+def test_an_adapter_or_option_that_cannot_serve_the_tower_is_refused_by_the_call(
+    arguments, error, named
+):
+    tower = tiny_resnet()
+    with pytest.raises(error, match=re.escape(named)):
+        graphed(tower, **arguments())  # no with: refused before it
+    assert "forward" not in tower.__dict__
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"capture": None},
+        {"mode": None, "budgets": None, "compile": None},
+        {"cast_weights_per_run": None},
+    ],
+    ids=["capture", "mode budgets compile", "cast_weights_per_run"],
+)
+def test_an_option_given_as_none_takes_its_default(options):
+    served = graphed(tiny_resnet(), **options)
+    with torch.no_grad(), served:
+        pass
+    assert served.manager.config == GraphConfig()
 
 
 def test_a_bad_adapter_leaves_the_forward_alone():
