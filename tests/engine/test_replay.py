@@ -10,6 +10,7 @@ from torch import nn
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.engine.manager import EncoderGraphManager
 from lightning_cg.engine.replay import relative_error
+from lightning_cg.engine.replay_checks import FIRST_PADDED_CHECKS
 
 #: The check's relative tolerance per output dtype: docs/DESIGN.md's, and float32's for a
 #: dtype it names none for. Read here, not from the library, so that a changed tolerance
@@ -93,7 +94,8 @@ def test_an_eager_output_that_is_not_finite_judges_no_graph_and_the_next_replay_
     value,
 ):
     tower = linear_tower()
-    batches = [with_bad_row(torch.randn(3, 6), value), torch.randn(3, 6), torch.randn(3, 6)]
+    clean = [torch.randn(3, 6) for _ in range(FIRST_PADDED_CHECKS + 1)]
+    batches = [with_bad_row(torch.randn(3, 6), value), *clean]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         manager, outputs = serve(BatchedEncoderAdapter(tower), *batches)
@@ -101,10 +103,11 @@ def test_an_eager_output_that_is_not_finite_judges_no_graph_and_the_next_replay_
     with torch.no_grad():
         for x, out in zip(batches, outputs, strict=True):
             torch.testing.assert_close(out, tower(x), rtol=1e-5, atol=1e-6, equal_nan=True)
-    # The budget-4 graph served all three; the clean batch after the bad one was checked.
+    # The budget-4 graph served every batch; the bad one counted as no check, so the
+    # first checks went on through the clean batches after it, and the last replayed alone.
     stats = manager.stats
-    assert (stats.hits, stats.eager_replay_differs) == (3, 0)
-    assert (stats.checked_replays, stats.checked_tokens) == (2, 6)
+    assert (stats.hits, stats.eager_replay_differs) == (len(batches), 0)
+    assert stats.checked_replays == 1 + FIRST_PADDED_CHECKS
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
