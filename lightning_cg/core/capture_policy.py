@@ -10,14 +10,14 @@ slower than its key's eager runs sends the key back to eager.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-#: Timings kept per key and kind; the median of them is used.
-SAMPLES = 3
+from lightning_cg.core.key_records import SAMPLES, KeyRecord, PathCosts
+from lightning_cg.core.record_values import path_costs_values, record_values
+
 #: Sightings of a key before it may be captured: the first one's eager time arrives late.
 MIN_SIGHTINGS = 2
 #: Graph time / eager time of a full budget, assumed before the path tells more.
@@ -26,8 +26,6 @@ PRIOR_GRAPH_RATIO = 0.5
 PRIOR_CAPTURE_RATIO = 5.0
 #: How much more than later ones the first capture of a process is expected to cost.
 FIRST_CAPTURE_FACTOR = 4.0
-#: Eager calls per path kept for its cost line.
-PATH_SAMPLES = 32
 #: Largest share of a path's eager time to come that its trial capture may cost.
 TRIAL_SHARE = 0.05
 
@@ -44,62 +42,6 @@ class ProcessCaptures:
 
 #: The process's captures, shared by every policy that is not given its own.
 PROCESS_CAPTURES = ProcessCaptures()
-
-
-@dataclass
-class KeyRecord:
-    """One key's path, budget, sightings and measured times (medians of the first samples)."""
-
-    path: str
-    size: int
-    sightings: int = 0
-    real_tokens: int = 0
-    #: Eager seconds spent on the key's sightings, as estimated when each was seen.
-    eager_spent: float = 0.0
-    #: ``eager_spent`` when the current run began.
-    spent_before_run: float = 0.0
-    eager_seconds_per_token: list[float] = field(default_factory=list)
-    graph_seconds: list[float] = field(default_factory=list)
-    #: Capture seconds / eager seconds, once a capture after the process's first is timed.
-    capture_ratio: float | None = None
-    median_eager_per_token: float | None = None
-    graph: float | None = None
-
-    @property
-    def eager(self) -> float | None:
-        """Eager seconds of a sub-batch of the key's mean real tokens."""
-        if self.median_eager_per_token is None or not self.sightings:
-            return None
-        return self.median_eager_per_token * self.real_tokens / self.sightings
-
-    @property
-    def padding_factor(self) -> float:
-        """Budget / mean real tokens: how much more a graph computes than eager."""
-        return self.size * self.sightings / max(self.real_tokens, 1)
-
-
-@dataclass
-class PathCosts:
-    """A path's eager calls (real tokens, seconds) and the token counts it has seen."""
-
-    eager_calls: list[tuple[int, float]] = field(default_factory=list)
-    token_counts: set[int] = field(default_factory=set)
-    #: Seconds per token of the eager calls' least-squares line (None: not yet positive).
-    per_token: float | None = None
-    #: Whether a key of the path was captured: its trial is over.
-    captured: bool = False
-
-    @property
-    def seconds_per_call(self) -> float | None:
-        """Mean seconds of the path's timed eager calls."""
-        if not self.eager_calls:
-            return None
-        return statistics.fmean(seconds for _, seconds in self.eager_calls)
-
-    def add_call(self, tokens: int, seconds: float) -> None:
-        if len(self.eager_calls) < PATH_SAMPLES:
-            self.eager_calls.append((tokens, seconds))
-            self.per_token = _slope(self.eager_calls)
 
 
 class CapturePolicy:
@@ -341,100 +283,3 @@ class CapturePolicy:
         if key not in self._keys:
             record.spent_before_run = record.eager_spent
             self._keys[key] = record
-
-
-def _slope(samples: list[tuple[int, float]]) -> float | None:
-    """Least-squares seconds per token of ``(tokens, seconds)``; None with fewer than two
-    sizes or a non-positive slope."""
-    if len({tokens for tokens, _ in samples}) < 2:
-        return None
-    mean_tokens = statistics.fmean(tokens for tokens, _ in samples)
-    mean_seconds = statistics.fmean(seconds for _, seconds in samples)
-    spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in samples)
-    covariance = sum((t - mean_tokens) * (s - mean_seconds) for t, s in samples)
-    return slope if (slope := covariance / spread) > 0 else None
-
-
-def record_values(record: KeyRecord) -> dict[str, Any]:
-    """``record`` as plain values (what :func:`record_from_values` reads)."""
-    return {
-        "path": record.path,
-        "size": record.size,
-        "sightings": record.sightings,
-        "real_tokens": record.real_tokens,
-        "eager_spent": record.eager_spent,
-        "eager_seconds_per_token": list(record.eager_seconds_per_token),
-        "graph_seconds": list(record.graph_seconds),
-        "capture_ratio": record.capture_ratio,
-    }
-
-
-def record_from_values(values: Mapping[str, Any]) -> KeyRecord:
-    """The record :func:`record_values` gave; a ValueError names a missing or bad field."""
-    record = KeyRecord(
-        path=_value(values, "path", str),
-        size=_value(values, "size", int, least=1),
-        sightings=_value(values, "sightings", int),
-        real_tokens=_value(values, "real_tokens", int),
-        eager_spent=_value(values, "eager_spent", float),
-        eager_seconds_per_token=_samples(values, "eager_seconds_per_token"),
-        graph_seconds=_samples(values, "graph_seconds"),
-        capture_ratio=_value(values, "capture_ratio", float, none_ok=True),
-    )
-    if record.eager_seconds_per_token:
-        record.median_eager_per_token = statistics.median(record.eager_seconds_per_token)
-    if record.graph_seconds:
-        record.graph = statistics.median(record.graph_seconds)
-    return record
-
-
-def path_costs_values(costs: PathCosts) -> dict[str, Any]:
-    """A path's eager calls and token counts as plain values."""
-    return {
-        "eager_calls": [[tokens, seconds] for tokens, seconds in costs.eager_calls],
-        "token_counts": sorted(costs.token_counts),
-    }
-
-
-def path_costs_from_values(values: Mapping[str, Any]) -> PathCosts:
-    """The path costs :func:`path_costs_values` gave; a ValueError names a bad field."""
-    costs = PathCosts()
-    calls = _value(values, "eager_calls", list)
-    if len(calls) > PATH_SAMPLES:
-        raise ValueError(f"eager_calls holds {len(calls)} calls, more than {PATH_SAMPLES}")
-    for index, call in enumerate(calls):
-        if not isinstance(call, list | tuple) or len(call) != 2:
-            raise ValueError(f"eager_calls[{index}] must be [tokens, seconds]; got {call!r}")
-        pair = dict(zip(("tokens", "seconds"), call, strict=True))
-        costs.add_call(_value(pair, "tokens", int), _value(pair, "seconds", float))
-    counts = _value(values, "token_counts", list)
-    costs.token_counts = {_value({"token_counts": n}, "token_counts", int) for n in counts}
-    return costs
-
-
-def _samples(values: Mapping[str, Any], name: str) -> list[float]:
-    samples = _value(values, name, list)
-    if len(samples) > SAMPLES:
-        raise ValueError(f"{name} holds {len(samples)} samples, more than {SAMPLES}")
-    return [_value({name: sample}, name, float) for sample in samples]
-
-
-def _value(
-    values: Mapping[str, Any], name: str, kind: type, least: int = 0, none_ok: bool = False
-) -> Any:
-    """``values[name]`` if it is a ``kind`` (a finite number at least ``least``)."""
-    if name not in values:
-        raise ValueError(f"{name} is missing")
-    value = values[name]
-    if value is None and none_ok:
-        return None
-    number = kind in (int, float)
-    kinds = (int, float) if kind is float else kind
-    if (
-        not isinstance(value, kinds)
-        or isinstance(value, bool)
-        or (number and not (math.isfinite(value) and value >= least))
-    ):
-        allowed = f"a finite number >= {least}" if number else f"a {kind.__name__}"
-        raise ValueError(f"{name} must be {allowed}; got {name}={value!r}")
-    return float(value) if kind is float else value

@@ -243,7 +243,8 @@ class CallRunner:
             )
             return eager
         what = f"{route.tokens} real tokens of {len(sub_batch.indices)} items"
-        graph_name = f"{type(self._tower or self.encoder).__name__}: the graph of {where}"
+        named = self._tower if self._tower is not None else self.encoder
+        graph_name = f"{type(named).__name__}: the graph of {where}"
         message = differs_message(graph_name, what, error, padded)
         self._serve_eagerly(route, "replay_differs", message)
         return eager

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cg.core.capture_policy import (
-    CapturePolicy,
-    KeyRecord,
+from lightning_cg.core.capture_policy import CapturePolicy
+from lightning_cg.core.key_records import KeyRecord
+from lightning_cg.core.record_values import (
     path_costs_from_values,
     record_from_values,
     record_values,

@@ -16,9 +16,8 @@ from lightning_cg.core.capture_policy import (
     WAIT,
     CapturePolicy,
     ProcessCaptures,
-    path_costs_from_values,
-    record_from_values,
 )
+from lightning_cg.core.record_values import path_costs_from_values, record_from_values
 
 #: Calls of a run too short to repay a process's first capture from its own sightings:
 #: at the key's second sighting, ``RUN - 2`` replays each gain half an eager run.
