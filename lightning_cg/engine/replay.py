@@ -7,6 +7,7 @@ clones the output's real rows, so nothing returned aliases a graph buffer.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -59,12 +60,24 @@ def row_count_message(
 
 
 def replay_error(replayed: torch.Tensor, reference: torch.Tensor) -> float | None:
-    """:func:`relative_error` of a replay against ``reference``; None if that is not finite."""
-    return relative_error(replayed, reference) if torch.isfinite(reference).all() else None
+    """:func:`relative_error` of a replay against eager's ``reference`` on the entries
+    eager gives finite; infinite where the replay's shape, dtype or finite entries differ;
+    None where no entry of ``reference`` is finite (nothing to judge by)."""
+    if replayed.shape != reference.shape or replayed.dtype != reference.dtype:
+        return math.inf
+    finite = torch.isfinite(reference)
+    if not finite.any():
+        return None
+    if not torch.equal(torch.isfinite(replayed), finite):
+        return math.inf
+    return relative_error(replayed[finite], reference[finite])
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` in float64 (0 for two empty tensors)."""
+    """``||actual - expected|| / ||expected||`` in float64, complex parts apart (0 for two
+    empty tensors)."""
+    if actual.is_complex() or expected.is_complex():
+        actual, expected = torch.view_as_real(actual), torch.view_as_real(expected)
     actual, expected = actual.double(), expected.double()
     denominator = expected.norm().item()
     difference = (actual - expected).norm().item()

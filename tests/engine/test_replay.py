@@ -89,13 +89,42 @@ def with_bad_row(x: torch.Tensor, value: float) -> torch.Tensor:
     return x
 
 
+class NaNRow(BatchedEncoderAdapter):
+    """Its graph forward's first row is NaN: non-finite where eager is finite."""
+
+    def graph_forward(self, path, buffers):
+        rows = super().graph_forward(path, buffers).clone()
+        rows[0] = float("nan")
+        return rows
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_an_eager_output_that_is_not_finite_judges_no_graph_and_the_next_replay_is_checked(
-    value,
-):
+def test_an_eager_output_with_non_finite_rows_judges_the_graph_on_its_finite_entries(value):
+    tower = linear_tower()
+    adapter = OffBy(tower, 1e-2)
+    bad = with_bad_row(torch.randn(3, 6), value)
+    with pytest.warns(UserWarning, match="differs from eager"):
+        manager, [out] = serve(adapter, bad)
+    with torch.no_grad():
+        torch.testing.assert_close(out, tower(bad), rtol=0, atol=0, equal_nan=True)
+    assert (manager.stats.checked_replays, manager.stats.eager_replay_differs) == (1, 1)
+
+
+def test_a_replay_that_is_not_finite_where_eager_is_differs():
+    tower = linear_tower()
+    x = torch.randn(3, 6)
+    with pytest.warns(UserWarning, match="differs from eager"):
+        manager, [out] = serve(NaNRow(tower), x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, tower(x), rtol=0, atol=0)
+    assert manager.stats.eager_replay_differs == 1
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_an_eager_output_with_no_finite_entry_judges_no_graph_and_the_checks_go_on(value):
     tower = linear_tower()
     clean = [torch.randn(3, 6) for _ in range(FIRST_PADDED_CHECKS + 1)]
-    batches = [with_bad_row(torch.randn(3, 6), value), *clean]
+    batches = [torch.full((3, 6), value), *clean]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         manager, outputs = serve(BatchedEncoderAdapter(tower), *batches)
@@ -103,24 +132,29 @@ def test_an_eager_output_that_is_not_finite_judges_no_graph_and_the_next_replay_
     with torch.no_grad():
         for x, out in zip(batches, outputs, strict=True):
             torch.testing.assert_close(out, tower(x), rtol=1e-5, atol=1e-6, equal_nan=True)
-    # The budget-4 graph served every batch; the bad one counted as no check, so the
-    # first checks went on through the clean batches after it, and the last replayed alone.
+    # The budget-4 graph served every batch; the first counted as no check, so the first
+    # checks went on through the clean batches after it, and the last replayed alone.
     stats = manager.stats
     assert (stats.hits, stats.eager_replay_differs) == (len(batches), 0)
     assert stats.checked_replays == 1 + FIRST_PADDED_CHECKS
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_a_graph_that_differs_is_caught_at_the_first_replay_whose_eager_output_is_finite(value):
-    tower = linear_tower()
-    adapter = OffBy(tower, 1e-2)
-    manager = EncoderGraphManager(adapter, budgets={"budgets": [4, 8]}, capture="upfront")
-    bad, clean = with_bad_row(torch.randn(3, 6), value), torch.randn(3, 6)
-    with torch.no_grad():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            manager.execute(adapter.inputs_from_call((bad,), {}))  # cannot be judged
-        with pytest.warns(UserWarning, match="differs from eager"):
-            out = manager.execute(adapter.inputs_from_call((clean,), {}))
-        torch.testing.assert_close(out, tower(clean), rtol=0, atol=0)
-    assert (manager.stats.checked_replays, manager.stats.eager_replay_differs) == (2, 1)
+def test_a_replay_of_another_shape_than_eager_differs():
+    # A tower whose rows are a batch x batch product: the padded graph's are wider.
+    class Gram(nn.Module):
+        def forward(self, x):
+            return x @ x.T
+
+    with pytest.warns(UserWarning, match="differs from eager"):
+        manager, [out] = serve(BatchedEncoderAdapter(Gram().eval()), torch.randn(3, 6))
+    assert manager.stats.eager_replay_differs == 1
+
+
+def test_complex_outputs_are_compared_in_both_parts():
+    class ScaledImaginary(nn.Module):
+        def forward(self, x):
+            return torch.complex(x, x * x.shape[0])
+
+    with pytest.warns(UserWarning, match="differs from eager"):
+        manager, [out] = serve(BatchedEncoderAdapter(ScaledImaginary().eval()), torch.randn(3, 6))
+    assert manager.stats.eager_replay_differs == 1
