@@ -2,10 +2,7 @@
 
 A key is captured once a graph is expected to gain and either the calls known to come
 repay its capture, or the eager time spent on it reaches its capture cost (ski rental).
-Until a path has a graph, its most frequent key is captured as a trial once its capture
-costs at most :data:`TRIAL_SHARE` of the path's eager time to come: the path's later
-decisions then scale a measured replay instead of trusting a prior. A graph measured
-slower than its key's eager runs sends the key back to eager.
+A graph measured slower than its key's eager runs sends the key back to eager.
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ PRIOR_GRAPH_RATIO = 0.5
 PRIOR_CAPTURE_RATIO = 5.0
 #: How much more than later ones the first capture of a process is expected to cost.
 FIRST_CAPTURE_FACTOR = 4.0
-#: Largest share of a path's eager time to come that its trial capture may cost.
-TRIAL_SHARE = 0.05
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
@@ -138,8 +133,6 @@ class CapturePolicy:
         first = self._process.count == 0
         self._process.count += keys
         record = self._keys.get(key)
-        if record is not None:
-            self._path(record.path).captured = True
         if record is not None and record.eager and not first:
             record.capture_ratio = seconds / max(keys, 1) / record.eager
 
@@ -157,8 +150,6 @@ class CapturePolicy:
         record = self._keys[key]
         if record.sightings < MIN_SIGHTINGS or record.eager is None:
             return WAIT
-        if self._trial_pays(record):
-            return CAPTURE
         gain = record.eager - self.graph_estimate(record)
         if gain <= 0:
             return NO_GAIN
@@ -167,20 +158,6 @@ class CapturePolicy:
         if self.known_sightings(record) * gain >= cost or spent >= cost:
             return CAPTURE
         return WAIT
-
-    def _trial_pays(self, record: KeyRecord) -> bool:
-        """Whether ``record``'s key is its path's trial: no key of the path captured yet,
-        none seen more often, and its capture within :data:`TRIAL_SHARE` of the path's eager
-        time known to come (none in a run of unknown length)."""
-        costs = self._path(record.path)
-        if costs.captured or costs.seconds_per_call is None or self._expected_calls is None:
-            return False
-        path_sightings = (r.sightings for r in self._keys.values() if r.path == record.path)
-        if record.sightings < max(path_sightings):
-            return False
-        remaining = max(self._expected_calls - self._run_calls, 0)
-        calls = remaining + self._later_runs * max(self._expected_calls, self._run_calls)
-        return self.capture_estimate(record) <= TRIAL_SHARE * calls * costs.seconds_per_call
 
     def slower_than_eager(self, key: Hashable) -> bool:
         """Whether ``key``'s graph was measured slower than its eager runs."""

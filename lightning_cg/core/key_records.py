@@ -51,15 +51,6 @@ class PathCosts:
     token_counts: set[int] = field(default_factory=set)
     #: Seconds per token of the eager calls' least-squares line (None: not yet positive).
     per_token: float | None = None
-    #: Whether a key of the path was captured: its trial is over.
-    captured: bool = False
-
-    @property
-    def seconds_per_call(self) -> float | None:
-        """Mean seconds of the path's timed eager calls."""
-        if not self.eager_calls:
-            return None
-        return statistics.fmean(seconds for _, seconds in self.eager_calls)
 
     def add_call(self, tokens: int, seconds: float) -> None:
         if len(self.eager_calls) < PATH_SAMPLES:

@@ -292,7 +292,6 @@ def test_on_a_path_of_several_sizes_a_graph_costs_at_least_its_budget_at_the_che
     policy = path_with_eager_calls(
         policy_for(expected_calls=1000), {1000: 0.010, 2000: 0.010, 3000: 0.010}
     )
-    policy.record_capture("seen_1000", 0.05)  # the path's trial is over, unmeasured
     see(policy, "big", eager_s=0.010, size=4096, tokens=2900)
     assert policy.estimates("big")["graph_s"] == pytest.approx(0.010 / 3000 * 4096)
     assert see(policy, "big", size=4096, tokens=2900) == NO_GAIN
@@ -464,68 +463,3 @@ def test_manager_times_an_eager_path_beside_a_replayed_one_and_captures_it():
     assert [key.path for key in manager.cache.keys()].count("global") == 1
     assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 5 + 4)
 
-
-def packed_path(expected_calls: int | None, captured_before: bool = True) -> CapturePolicy:
-    """A path whose mixed calls took 10 ms a call at 1000 to 3000 tokens: the cheapest
-    rate says a 4096-token graph gains nothing (see the test above)."""
-    policy = policy_for(expected_calls, captured_before=captured_before)
-    return path_with_eager_calls(policy, {1000: 0.010, 2000: 0.010, 3000: 0.010})
-
-
-def test_a_paths_most_frequent_key_is_captured_as_its_trial_despite_a_prior_of_no_gain():
-    # Capture: 5 eager runs of the key (10 ms) = 50 ms; 5% of the path's 998 calls to
-    # come at 10 ms is 499 ms: the trial may cost that.
-    policy = packed_path(expected_calls=1000)
-    assert [see(policy, "big", eager_s=0.010, size=4096, tokens=2900) for _ in range(2)] == [
-        WAIT,
-        CAPTURE,
-    ]
-    policy.record_capture("big", 0.05)
-    # Measured: a replay costs a fifth of eager. The next key scales that, and captures.
-    for _ in range(SAMPLES):
-        policy.record_replay("big", 0.002)
-    assert see(policy, "next", eager_s=0.010, size=4096, tokens=2900) == WAIT
-    assert see(policy, "next", size=4096, tokens=2900) == CAPTURE
-
-
-@pytest.mark.parametrize(
-    ("expected_calls", "captured_before", "seen_before", "decision"),
-    [
-        (1000, True, {}, CAPTURE),
-        # 50 ms within 5% of the n - 2 calls to come at 10 ms a call: n >= 102.
-        (102, True, {}, CAPTURE),
-        (101, True, {}, NO_GAIN),
-        # The process's first capture is expected to cost four times as much.
-        (1000, False, {}, CAPTURE),
-        (400, False, {}, NO_GAIN),
-        # A key seen more often on the path is the trial, not this one.
-        (1000, True, {"often": 3}, NO_GAIN),
-        # A run of unknown length knows no time to come.
-        (None, True, {}, NO_GAIN),
-    ],
-    ids=[
-        "long",
-        "just_repays",
-        "just_short",
-        "first_of_process",
-        "first_short",
-        "not_most_seen",
-        "unknown_length",
-    ],
-)
-def test_a_trial_costs_at_most_its_share_of_the_paths_eager_time_to_come(
-    expected_calls, captured_before, seen_before, decision
-):
-    policy = packed_path(expected_calls, captured_before)
-    for key, times in seen_before.items():
-        for _ in range(times):
-            see(policy, key, eager_s=0.010, size=4096, tokens=2900)
-    see(policy, "big", eager_s=0.010, size=4096, tokens=2900)
-    assert see(policy, "big", size=4096, tokens=2900) == decision
-
-
-def test_a_path_that_captured_a_key_has_no_further_trial():
-    policy = packed_path(expected_calls=1000)
-    policy.record_capture("seen_1000", 0.05)
-    see(policy, "big", eager_s=0.010, size=4096, tokens=2900)
-    assert see(policy, "big", size=4096, tokens=2900) == NO_GAIN
