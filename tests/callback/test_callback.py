@@ -352,36 +352,3 @@ def test_hydra_target_builds_the_callback():
     callback = instantiate(cfg.cudagraph)
     assert isinstance(callback, CUDAGraphCallback)
     assert callback.mode.name == "FULL_UNIFORM_ONLY" and callback.config.budgets.max_budget == 512
-
-
-def test_lightning_cli_adds_the_callback():
-    from lightning.pytorch.cli import LightningCLI
-
-    class CliModel(RecordingModel):
-        pass
-
-    def callback_from(*options: str) -> CUDAGraphCallback:
-        cli = LightningCLI(
-            CliModel,
-            SyntheticDataModule,
-            run=False,
-            args=[
-                "--trainer.accelerator=cpu",
-                "--trainer.callbacks+=lightning_cg.CUDAGraphCallback",
-                *options,
-            ],
-        )
-        [callback] = [c for c in cli.trainer.callbacks if isinstance(c, CUDAGraphCallback)]
-        return callback
-
-    named = callback_from("--trainer.callbacks.mode=full_uniform_only")
-    assert named.mode.name == "FULL_UNIFORM_ONLY"
-    # The options beyond the named ones travel in a GraphConfig.
-    configured = callback_from(
-        "--trainer.callbacks.config=lightning_cg.engine.config.GraphConfig",
-        "--trainer.callbacks.config.max_items_per_batch=2",
-    )
-    assert configured.config.max_items_per_batch == 2
-    # A mode inside config is its value, as beside it.
-    moded = callback_from("--trainer.callbacks.config.mode=full_uniform_only")
-    assert moded.mode.name == "FULL_UNIFORM_ONLY" and moded.config.mode is moded.mode

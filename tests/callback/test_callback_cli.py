@@ -113,3 +113,15 @@ def test_a_value_outside_the_choices_is_refused_while_parsing(flag, value, choic
         callback_from(f"{PREFIX}{flag}")
     refusal = capsys.readouterr().err
     assert value in refusal and choices in refusal, refusal[-2000:]
+
+
+def test_options_also_travel_in_a_graph_config():
+    # The options beyond the named ones travel in a GraphConfig.
+    configured = callback_from(
+        "--trainer.callbacks.config=lightning_cg.engine.config.GraphConfig",
+        "--trainer.callbacks.config.max_items_per_batch=2",
+    )
+    assert configured.config.max_items_per_batch == 2
+    # A mode inside config is its value, as beside it.
+    moded = callback_from("--trainer.callbacks.config.mode=full_uniform_only")
+    assert moded.mode.name == "FULL_UNIFORM_ONLY" and moded.config.mode is moded.mode
