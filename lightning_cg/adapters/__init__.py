@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
@@ -161,6 +162,25 @@ def check_config_applies(adapter: GraphableEncoder, config: GraphConfig) -> None
 
 #: Set on the forwards lightning-cg installs on a tower, to tell them from other wrappers.
 GRAPHED_FORWARD = "_lightning_cg_graphed"
+
+
+def graphed_forward_for(
+    tower: nn.Module, encoder: GraphableEncoder, run: Callable[[Any], Any]
+) -> Callable[..., Any]:
+    """The forward to set on ``tower``'s instance: its calls go to ``run(inputs)``.
+
+    A method bound to the tower, so that a deep copy of the tower (a user's, an averaging
+    callback's) is bound to the copy, whose own weights no graph reads: a copy runs its
+    class's forward.
+    """
+
+    def graphed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if module is not tower:
+            return type(module).forward(module, *args, **kwargs)
+        return run(encoder.inputs_from_call(args, kwargs))
+
+    setattr(graphed_forward, GRAPHED_FORWARD, True)
+    return types.MethodType(graphed_forward, tower)
 
 
 def foreign_forward(tower: nn.Module) -> Any:

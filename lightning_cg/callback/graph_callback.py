@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,7 +15,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_cg.adapters import (
-    GRAPHED_FORWARD,
     AdapterFactory,
     AdapterName,
     adapter_for,
@@ -22,6 +22,7 @@ from lightning_cg.adapters import (
     check_config_applies,
     foreign_forward,
     foreign_forward_message,
+    graphed_forward_for,
 )
 from lightning_cg.callback.checks import (
     STAGES,
@@ -263,13 +264,8 @@ class CUDAGraphCallback(Callback):
         self._run_manager = self.manager if graphs_usable else self._eager_manager()
         self._run_manager.begin_run(expected_calls, later_runs)
         tower, manager = self._tower, self._run_manager
-
-        def graphed_forward(*args: Any, **kwargs: Any) -> Any:
-            return execute(manager, manager.encoder.inputs_from_call(args, kwargs))
-
-        setattr(graphed_forward, GRAPHED_FORWARD, True)
         self._swapped = True
-        tower.forward = graphed_forward
+        tower.forward = graphed_forward_for(tower, manager.encoder, partial(execute, manager))
 
     def _agree_graphs_usable(self, trainer: pl.Trainer) -> bool:
         """Whether every rank can use graphs this run; if not, all run mode ``none``."""

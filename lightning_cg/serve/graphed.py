@@ -21,6 +21,7 @@ from lightning_cg.adapters import (
     check_config_applies,
     foreign_forward,
     foreign_forward_message,
+    graphed_forward_for,
 )
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder
@@ -58,14 +59,10 @@ class GraphedTower:
         manager = EncoderGraphManager(self._adapter, self._config)
         manager.begin_run()
 
-        def graphed_forward(*args: Any, **kwargs: Any) -> Any:
-            # Grad-enabled calls run eagerly inside execute: graphs hold no autograd state.
-            return manager.execute(manager.encoder.inputs_from_call(args, kwargs))
-
-        setattr(graphed_forward, GRAPHED_FORWARD, True)
         self._swapped = True
         self.manager = manager
-        tower.forward = graphed_forward
+        # Grad-enabled calls run eagerly inside execute: graphs hold no autograd state.
+        tower.forward = graphed_forward_for(tower, manager.encoder, manager.execute)
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -215,3 +215,22 @@ def test_graphed_is_exported_lazily_and_import_stays_torch_free():
 def test_something_that_is_no_module_is_refused_by_name():
     with pytest.raises(TypeError, match="graphed serves a torch.nn.Module's forward; got function"):
         graphed(lambda images: images)
+
+
+def test_a_deep_copy_of_a_served_tower_answers_with_its_own_weights():
+    import copy
+
+    tower = torch.nn.Linear(6, 5).eval()
+    x = torch.randn(3, 6)
+    with torch.no_grad(), graphed(tower, adapter="batched", capture="first_use") as served:
+        tower(x)
+        twin = copy.deepcopy(tower)
+        twin.weight.neg_()
+        torch.testing.assert_close(twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias))
+        # The tower itself is still served by its graphs.
+        torch.testing.assert_close(
+            tower(x), torch.nn.functional.linear(x, tower.weight, tower.bias)
+        )
+    assert served.stats["hits"] == 2
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias))
