@@ -46,7 +46,7 @@ from lightning_cg.callback.report import (
 from lightning_cg.callback.trainer_runs import total_batches, validation_runs_after
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.binding import CHANGED, TensorBinding, tensor_layouts
-from lightning_cg.engine.config import BudgetConfig, CapturePolicy, GraphConfig, ModeName
+from lightning_cg.engine.config import BudgetConfig, CaptureName, GraphConfig, ModeName
 from lightning_cg.engine.encoder import GraphableEncoder
 from lightning_cg.engine.manager import EncoderGraphManager
 from lightning_cg.engine.parallel import execute_data_parallel
@@ -89,7 +89,7 @@ class CUDAGraphCallback(Callback):
         stages: Sequence[StageName] = STAGES,
         mode: ModeName | GraphMode | None = None,
         budgets: BudgetConfig | Mapping[str, Any] | None = None,
-        capture: CapturePolicy | None = None,
+        capture: CaptureName | None = None,
         compile: bool | None = None,
         adapter: AdapterName | AdapterFactory | GraphableEncoder | None = None,
         encoder_data_parallel: bool = False,

@@ -192,8 +192,8 @@ class CallRunner:
             self.stats.launch_seconds += launch_seconds
         call.add(path, sub_batch.indices, served, sub_batch.tokens(path))
 
-    def _before_check(self) -> BufferState | _NoBuffers:
-        state = _NO_BUFFERS if self._tower is None else BufferState(self._tower)
+    def _before_check(self) -> BufferState:
+        state = BufferState(self._tower)
         _synchronize()
         return state
 
@@ -204,7 +204,7 @@ class CallRunner:
         sub_batch: SubBatch,
         padded: frozenset[str],
         rows: torch.Tensor,
-        state: BufferState | _NoBuffers,
+        state: BufferState,
         started: float,
     ) -> torch.Tensor:
         """The same items run eagerly from the buffers the replay saw, and compared.
@@ -289,19 +289,6 @@ def changes_state_message(tower: nn.Module, buffers: list[str]) -> str:
         "cannot be checked against eager without a second call, which would change them "
         "again. This key runs eagerly from now on; the buffers hold what one call left."
     )
-
-
-class _NoBuffers:
-    """The buffer state of an adapter that names no module: nothing to save."""
-
-    def restore(self) -> None:
-        pass
-
-    def changed(self) -> list[str]:
-        return []
-
-
-_NO_BUFFERS = _NoBuffers()
 
 
 def _synchronize() -> None:

@@ -167,13 +167,13 @@ class GraphCapturer:
             run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
             return CapturedGraph(spec, buffers, run, rules)
         # Warm-ups run the forward for real: whatever they change in the tower is put back.
-        state = None if self._tower is None else BufferState(self._tower)
+        state = BufferState(self._tower)
         with side_stream():
             cast_dtype = self._warm_up(spec.path, buffers)
         cuda_graph = torch.cuda.CUDAGraph()
         with self._casts_in(cast_dtype), capturing(), torch.cuda.graph(cuda_graph, pool=pool):
             output = self.encoder.graph_forward(spec.path, buffers)
-        if state is not None and (changed := state.changed()):
+        if changed := state.changed():
             state.restore()
             raise ChangesState(changed)
         run = _replayer(cuda_graph, output)

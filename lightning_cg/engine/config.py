@@ -18,8 +18,8 @@ from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.compiled import check_compile
 
 #: When a key is captured (``capture``; see :class:`GraphConfig`).
-CapturePolicy = Literal["paid_back", "first_use", "upfront"]
-CAPTURE_POLICIES: tuple[str, ...] = get_args(CapturePolicy)
+CaptureName = Literal["paid_back", "first_use", "upfront"]
+CAPTURE_POLICIES: tuple[str, ...] = get_args(CaptureName)
 #: The values of :class:`~lightning_cg.core.dispatcher.GraphMode`, as users write them.
 ModeName = Literal["none", "full", "full_uniform_only"]
 
@@ -159,7 +159,7 @@ class GraphConfig:
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
     compile: bool = False
-    capture: CapturePolicy = "paid_back"
+    capture: CaptureName = "paid_back"
     cast_weights_per_run: bool = True
     plan: str | None = None
 

@@ -54,11 +54,13 @@ class CheckSchedule:
 
 
 class BufferState:
-    """A copy of a module's buffers: which a forward changed, and putting them back."""
+    """A copy of a module's buffers (none for None): which a forward changed, and putting
+    them back."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self._module = module
-        self._saved = {name: (buffer, buffer.clone()) for name, buffer in module.named_buffers()}
+    def __init__(self, module: nn.Module | None) -> None:
+        self._module = nn.Module() if module is None else module
+        buffers = self._module.named_buffers()
+        self._saved = {name: (buffer, buffer.clone()) for name, buffer in buffers}
 
     def changed(self) -> list[str]:
         """Names of the buffers whose value, or tensor, differs from the copy."""
