@@ -125,6 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also predict once more on a new Trainer (second run, fresh trainer)",
     )
     parser.add_argument(
+        "--predict-runs",
+        type=int,
+        default=2,
+        choices=(2, 3, 4),
+        help="trainer.predict runs per method on one Trainer (first, second, third, fourth)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -271,6 +278,7 @@ def resolve_settings(args: argparse.Namespace) -> BenchSettings:
         sizes=replace(base, mixed_sides=sides),
         seed=args.seed,
         fresh_trainer=args.fresh_trainer,
+        predict_runs=args.predict_runs,
         repeats=args.repeats,
         fit_epochs=args.fit_epochs,
         fit_val_batches=args.fit_val_batches,

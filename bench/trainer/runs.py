@@ -29,8 +29,8 @@ from lightning_cg import CUDAGraphCallback
 
 EAGER, CALLBACK, COMPILE = "eager", "callback", "compile"
 METHODS = (EAGER, CALLBACK, COMPILE)
-#: The runs of :func:`validate_runs`, in order.
-VALIDATE_RUNS = ("first", "second", "third", "fourth")
+#: The runs of :func:`validate_runs` and the names of :func:`predict_runs`' runs, in order.
+RUN_NAMES = ("first", "second", "third", "fourth")
 
 
 @dataclass(frozen=True)
@@ -65,21 +65,24 @@ def predict_runs(
     method: str,
     settings: TrainerSettings,
     fresh_trainer: bool = False,
+    runs_count: int = 2,
 ) -> dict[str, PredictRun]:
-    """The ``first`` and ``second`` predict runs of ``method``, and ``second_fresh`` if asked.
+    """The ``first`` to ``runs_count``-th predict runs of ``method`` (named as
+    :data:`RUN_NAMES`), and ``second_fresh`` if asked.
 
     Args:
         tower: the workload's tower; the method runs a deep copy of it.
         batches: what every run predicts on.
         method: ``eager``, ``callback`` or ``compile``.
         settings: device, precision and callback arguments.
-        fresh_trainer: also run a third time on a new Trainer.
+        fresh_trainer: also run once more on a new Trainer.
+        runs_count: runs on the one Trainer, 2 to 4.
     """
     module, callback = _module_and_callback(tower, method, settings)
     clock = RunClock(callback)
     trainer = make_trainer(settings, [callback, clock] if callback else [clock])
     runs = {}
-    names = ["first", "second"] + (["second_fresh"] if fresh_trainer else [])
+    names = [*RUN_NAMES[:runs_count]] + (["second_fresh"] if fresh_trainer else [])
     for name in names:
         if name == "second_fresh":
             trainer = make_trainer(settings, [callback, clock] if callback else [clock])
@@ -111,7 +114,7 @@ def validate_runs(
     clock = RunClock(callback)
     trainer = make_trainer(settings, [callback, clock] if callback else [clock])
     runs = {}
-    for name in VALIDATE_RUNS:
+    for name in RUN_NAMES:
         module.val_outputs = []
         started = time.perf_counter()
         trainer.validate(module, dataloaders=batches.loader(), verbose=False)

@@ -62,6 +62,7 @@ class BenchSettings:
         seed: seeds weights and batches.
         fresh_trainer: predict a third time with a new Trainer (a ``second`` row,
             ``trainer: fresh``).
+        predict_runs: ``trainer.predict`` runs per method on one Trainer, 2 to 4.
         repeats: times each method runs its predict runs afresh (a new module,
             callback and Trainer each time), the methods' order alternating;
             a row reports each run's median repeat.
@@ -83,6 +84,7 @@ class BenchSettings:
     sizes: Sizes
     seed: int = 0
     fresh_trainer: bool = False
+    predict_runs: int = 2
     repeats: int = 1
     fit_epochs: int = 5
     fit_val_batches: int = 50
@@ -153,7 +155,12 @@ def _predict(
                 runs = validate_runs(tower, batches, method, settings.trainer)
             else:
                 runs = predict_runs(
-                    tower, batches, method, settings.trainer, settings.fresh_trainer
+                    tower,
+                    batches,
+                    method,
+                    settings.trainer,
+                    settings.fresh_trainer,
+                    settings.predict_runs,
                 )
             repeats[method].append(runs)
             release(method)

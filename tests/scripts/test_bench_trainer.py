@@ -70,6 +70,7 @@ def test_smoke_run_writes_one_row_per_workload_length_and_run(tmp_path):
         "packed_vit_small/mixed_batch_8",
         "fit/packed_vit_small/mixed_batch_8",
         "--fresh-trainer",
+        "--predict-runs=3",
         "--fit-epochs=2",
         "--fit-val-batches=2",
         "--fit-train-batches=1",
@@ -81,7 +82,12 @@ def test_smoke_run_writes_one_row_per_workload_length_and_run(tmp_path):
     predict_keys = [
         (workload, 2, run, trainer)
         for workload in ("vit_b_16/batch_1", "packed_vit_small/mixed_batch_8")
-        for run, trainer in (("first", "reused"), ("second", "reused"), ("second", "fresh"))
+        for run, trainer in (
+            ("first", "reused"),
+            ("second", "reused"),
+            ("third", "reused"),
+            ("second", "fresh"),
+        )
     ]
     assert keys == [*predict_keys, ("fit/packed_vit_small/mixed_batch_8", 4, "epochs_1-2", None)]
     for row in rows:
