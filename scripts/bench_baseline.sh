@@ -11,6 +11,6 @@ ref=${1:-80037b7}
 bench_ref=${2:-46d6f94}
 rm -rf .baseline && mkdir -p .baseline
 git archive "$ref" lightning_cg | tar -x -C .baseline
-git archive "$bench_ref" bench scripts/bench_trainer.py | tar -x -C .baseline
+git archive "$bench_ref" bench examples scripts/bench_trainer.py | tar -x -C .baseline
 grep -qx '/.baseline/' .git/info/exclude || echo '/.baseline/' >> .git/info/exclude
 echo "reference library $ref, benchmark $bench_ref in .baseline/ (carry it to the GPU machine)"
