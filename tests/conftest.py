@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-from lightning_cg.core import capture_policy
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -23,10 +21,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def fresh_process_captures(monkeypatch):
-    """Each test sees the capture policy as a fresh process would: no capture
-    made yet, so the first one is expected to cost the libraries' set-up."""
-    monkeypatch.setattr(capture_policy, "PROCESS_CAPTURES", capture_policy.ProcessCaptures())

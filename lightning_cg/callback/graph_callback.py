@@ -39,6 +39,7 @@ from lightning_cg.callback.checks import (
 from lightning_cg.callback.progress import CaptureProgress
 from lightning_cg.callback.report import (
     reduce_stats,
+    report_costly_captures,
     report_cpu_path,
     report_rebinding,
     report_run,
@@ -332,6 +333,7 @@ class CUDAGraphCallback(Callback):
         self.last_stats = reduce_stats(trainer, self._run_manager.stats.as_dict())
         on_cuda = next(self._tower.parameters(), torch.empty(0)).is_cuda
         report_run(trainer, self.last_stats, stage, on_cuda)
+        report_costly_captures(self._run_manager.costly_captures(), stage, self.module)
         if trainer.is_global_zero:
             self.manager.write_plan()
         if not self.keep_graphs:

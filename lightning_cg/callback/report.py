@@ -88,6 +88,12 @@ def report_run(trainer: pl.Trainer, stats: Mapping[str, float], stage: str, on_c
         )
 
 
+def report_costly_captures(lines: list[str], stage: str, module: str | None) -> None:
+    """Tell each capture that cost the run more than its eager time, on its own line."""
+    for line in lines:
+        rank_zero_info(f"CUDAGraphCallback ({stage}, module={module!r}): {line}")
+
+
 def _memory(stats: Mapping[str, float]) -> str:
     """The device memory the graphs hold, and its parts, in MiB."""
     pool, copies, held = (

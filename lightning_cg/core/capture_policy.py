@@ -1,8 +1,8 @@
 """When a key is worth a graph: the capture rule.
 
 A key is captured once a graph is expected to gain and either the calls known to come
-repay its capture, or the eager time spent on it reaches its capture cost (ski rental).
-A graph measured slower than its key's eager runs sends the key back to eager.
+repay its capture, or the eager time this process spent on it reaches its capture cost
+(ski rental). A graph measured slower than its key's eager runs sends the key back to eager.
 """
 
 from __future__ import annotations
@@ -21,22 +21,21 @@ MIN_SIGHTINGS = 2
 PRIOR_GRAPH_RATIO = 0.5
 #: Capture time / eager time before a capture is measured (warm-ups, record, instantiate).
 PRIOR_CAPTURE_RATIO = 5.0
-#: How much more than later ones the first capture of a process is expected to cost.
-FIRST_CAPTURE_FACTOR = 4.0
+#: How much more than later ones a tower's first capture is expected to cost (its kernels'
+#: first use under capture).
+FIRST_CAPTURE_FACTOR = 2.0
 
 #: Decisions of :meth:`CapturePolicy.decide`.
 CAPTURE, WAIT, NO_GAIN = "capture", "wait", "no_gain"
 
 
-@dataclass
-class ProcessCaptures:
-    """Captures made in this process; the first one pays the CUDA libraries' set-up."""
+@dataclass(frozen=True)
+class CostlyCapture:
+    """A capture that cost more than the eager time of the run that made it."""
 
-    count: int = 0
-
-
-#: The process's captures, shared by every policy that is not given its own.
-PROCESS_CAPTURES = ProcessCaptures()
+    key: Hashable
+    seconds: float
+    run_eager_seconds: float
 
 
 class CapturePolicy:
@@ -44,6 +43,8 @@ class CapturePolicy:
 
     In a run of known length only earlier runs' eager time counts toward ski rental, so
     a key this run cannot repay is captured at the next run's start, not late in this one.
+    Eager time spent in an earlier process (a loaded plan) does not count: a plan's key
+    is captured at its first sighting only when the calls known to come repay it.
 
     Args:
         first_use: capture every key at its first sighting (``capture="first_use"``).
@@ -51,7 +52,7 @@ class CapturePolicy:
             (always in a manager; scripted-timing tests turn it off).
 
     Example:
-        >>> policy = CapturePolicy(process=ProcessCaptures())
+        >>> policy = CapturePolicy()
         >>> policy.begin_run(expected_calls=100)
         >>> policy.called(); policy.sighted("k", path="local", size=256, tokens=200)
         >>> policy.decide("k")
@@ -62,14 +63,16 @@ class CapturePolicy:
         self,
         first_use: bool = False,
         drop_slower_graphs: bool = True,
-        process: ProcessCaptures | None = None,
     ) -> None:
         self.first_use = first_use
         self.drop_slower_graphs = drop_slower_graphs
         #: Graphs run fused kernels (compiled capture): eager's cost per token
         #: does not bound theirs.
         self.graphs_fuse_work = False
-        self._process = PROCESS_CAPTURES if process is None else process
+        #: Keys captured by this policy's tower; its first capture pays the kernels' set-up.
+        self._captured = 0
+        #: Keys captured in the current run, with their capture seconds.
+        self._run_captures: list[tuple[Hashable, float]] = []
         self._keys: dict[Hashable, KeyRecord] = {}
         self._paths: dict[str, PathCosts] = {}
         self._calls = 0
@@ -82,6 +85,7 @@ class CapturePolicy:
         self._expected_calls = expected_calls
         self._run_calls = 0
         self._later_runs = later_runs or 0
+        self._run_captures = []
         for record in self._keys.values():
             record.spent_before_run = record.eager_spent
 
@@ -128,13 +132,27 @@ class CapturePolicy:
         record.graph = statistics.median(record.graph_seconds)
 
     def record_capture(self, key: Hashable, seconds: float, keys: int = 1) -> None:
-        """Capturing ``keys`` keys for ``key`` took ``seconds``; the process's first
-        capture teaches no capture/eager ratio."""
-        first = self._process.count == 0
-        self._process.count += keys
+        """Capturing ``keys`` keys for ``key`` took ``seconds``. The key remembers its own
+        capture seconds; the tower's first capture teaches other keys no capture/eager ratio."""
+        first = self._captured == 0
+        self._captured += keys
+        self._run_captures.append((key, seconds))
         record = self._keys.get(key)
-        if record is not None and record.eager and not first:
-            record.capture_ratio = seconds / max(keys, 1) / record.eager
+        if record is None:
+            return
+        record.capture_seconds = seconds / max(keys, 1)
+        if record.eager and not first:
+            record.capture_ratio = record.capture_seconds / record.eager
+
+    def costly_captures(self) -> list[CostlyCapture]:
+        """This run's captures that each cost more than the run's eager time (its keys'
+        sightings at their eager seconds), so the run was slower than eager."""
+        run_eager = sum(r.eager_spent - r.spent_before_run for r in self._keys.values())
+        return [
+            CostlyCapture(key, seconds, run_eager)
+            for key, seconds in self._run_captures
+            if seconds > run_eager
+        ]
 
     def forget_graphs(self) -> None:
         """The graphs are gone (recaptured later): keep sightings and eager times only."""
@@ -142,6 +160,7 @@ class CapturePolicy:
             record.graph_seconds.clear()
             record.graph = None
             record.capture_ratio = None
+            record.capture_seconds = None
 
     def decide(self, key: Hashable) -> str:
         """:data:`CAPTURE` now, :data:`WAIT` (not yet repaid) or :data:`NO_GAIN`."""
@@ -181,9 +200,8 @@ class CapturePolicy:
 
         Measured, else scaled from the path's nearest measured graph, else
         ``per_token x budget`` of the path's eager cost line (a graph removes launches, not
-        work), else :data:`PRIOR_GRAPH_RATIO`. Unless graphs fuse work, with several sizes
-        seen it is never below the path's least eager seconds per token: launches can hide
-        an eager call's GPU work from its timing.
+        work), else :data:`PRIOR_GRAPH_RATIO`. An estimate that promises too much is
+        corrected by the graph's measured replays (:meth:`slower_than_eager`).
         """
         if record.graph is not None:
             return record.graph
@@ -196,22 +214,20 @@ class CapturePolicy:
             return min(measured)[1] * record.padding_factor * record.eager
         costs = self._path(record.path)
         if self.graphs_fuse_work or costs.per_token is None:
-            estimate = PRIOR_GRAPH_RATIO * record.padding_factor * record.eager
-        else:
-            estimate = costs.per_token * record.size
-        least = min((s / t for t, s in costs.eager_calls if t), default=None)
-        if self.graphs_fuse_work or len(costs.token_counts) < 2 or least is None:
-            return estimate
-        return max(estimate, least * record.size)
+            return PRIOR_GRAPH_RATIO * record.padding_factor * record.eager
+        return costs.per_token * record.size
 
     def capture_estimate(self, record: KeyRecord) -> float:
-        """Seconds the key's capture is expected to cost: its eager time times the path's
-        (else any path's, else the prior) capture ratio; more for the process's first."""
+        """Seconds the key's capture is expected to cost: as its own capture measured (here
+        or in a loaded plan), else its eager time times the path's (else any path's, else
+        the prior) capture ratio, :data:`FIRST_CAPTURE_FACTOR` times more for the tower's first."""
+        if record.capture_seconds is not None:
+            return record.capture_seconds
         measured = [r for r in self._keys.values() if r.capture_ratio is not None]
         ratios = [r.capture_ratio for r in measured if r.path == record.path]
         ratios = ratios or [r.capture_ratio for r in measured]
         cost = record.eager * (statistics.median(ratios) if ratios else PRIOR_CAPTURE_RATIO)
-        return cost * FIRST_CAPTURE_FACTOR if self._process.count == 0 else cost
+        return cost * FIRST_CAPTURE_FACTOR if self._captured == 0 else cost
 
     def estimates(self, key: Hashable) -> dict[str, float | None]:
         """What :meth:`decide` weighs for ``key`` (seconds), for logs and tests."""
@@ -256,7 +272,8 @@ class CapturePolicy:
 
     def import_record(self, key: Hashable, record: KeyRecord) -> None:
         """``key``'s record from an earlier process, unless the key has one here: its
-        sightings count, and the eager time spent on it counts as earlier runs'."""
+        sightings and measured times count; the eager time spent on it does not (ski rental
+        pays only for this process's eager runs)."""
         if key not in self._keys:
-            record.spent_before_run = record.eager_spent
+            record.eager_spent = record.spent_before_run = 0.0
             self._keys[key] = record

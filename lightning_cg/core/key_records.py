@@ -25,8 +25,10 @@ class KeyRecord:
     spent_before_run: float = 0.0
     eager_seconds_per_token: list[float] = field(default_factory=list)
     graph_seconds: list[float] = field(default_factory=list)
-    #: Capture seconds / eager seconds, once a capture after the process's first is timed.
+    #: Capture seconds / eager seconds, once a capture after the tower's first is timed.
     capture_ratio: float | None = None
+    #: Seconds the key's last capture took.
+    capture_seconds: float | None = None
     median_eager_per_token: float | None = None
     graph: float | None = None
 

@@ -21,6 +21,7 @@ def record_values(record: KeyRecord) -> dict[str, Any]:
         "eager_seconds_per_token": list(record.eager_seconds_per_token),
         "graph_seconds": list(record.graph_seconds),
         "capture_ratio": record.capture_ratio,
+        "capture_seconds": record.capture_seconds,
     }
 
 
@@ -35,6 +36,7 @@ def record_from_values(values: Mapping[str, Any]) -> KeyRecord:
         eager_seconds_per_token=_samples(values, "eager_seconds_per_token"),
         graph_seconds=_samples(values, "graph_seconds"),
         capture_ratio=_value(values, "capture_ratio", float, none_ok=True),
+        capture_seconds=_value(values, "capture_seconds", float, none_ok=True),
     )
     if record.eager_seconds_per_token:
         record.median_eager_per_token = statistics.median(record.eager_seconds_per_token)

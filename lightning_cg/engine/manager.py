@@ -175,6 +175,17 @@ class EncoderGraphManager:
         cannot be read, warns once and changes nothing; returns whether it was taken."""
         return self.run_state.load_state_dict(state, source)
 
+    def costly_captures(self) -> list[str]:
+        """One line per capture of the current run that cost more than the run's eager
+        tower time (the run was slower than eager by it): key, seconds, the run's eager time."""
+        return [
+            f"capturing the {cost.key.path!r} graph of {cost.key.descriptor.num_tokens} tokens "
+            f"took {cost.seconds:.2f} s, more than the run's {cost.run_eager_seconds:.2f} s of "
+            "eager tower time (remembered in the plan: a later process captures it only where "
+            "its calls repay that)"
+            for cost in self.policy.costly_captures()
+        ]
+
     def write_plan(self) -> None:
         """Write :meth:`state_dict` to the ``plan`` file, if the config names one."""
         if self.config.plan is not None:

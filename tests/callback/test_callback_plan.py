@@ -21,9 +21,13 @@ from lightning_cg.core.capture_policy import (
     PRIOR_GRAPH_RATIO,
 )
 
-#: Validation batches of a run too short to repay a process's first capture from its
-#: own sightings: at a key's second sighting, each call left gains half an eager run.
+#: Validation batches of a run too short to repay a tower's first capture from its own
+#: sightings: at a key's second sighting, each call left gains half an eager run.
 VAL_BATCHES = int(PRIOR_CAPTURE_RATIO * FIRST_CAPTURE_FACTOR / (1 - PRIOR_GRAPH_RATIO))
+#: A run one batch longer: its calls after the first repay the capture, so a key known
+#: from a plan is captured at its first sighting; unknown, it waits for its second,
+#: after which too few calls are left.
+LATER_BATCHES = VAL_BATCHES + 1
 BATCH = 4
 OPTIONS = dict(module="tower", adapter="batched", budgets={"budgets": [BATCH]})
 
@@ -70,8 +74,8 @@ def trainer(*callbacks, **kwargs) -> Trainer:
     return Trainer(callbacks=list(callbacks), **{**options, **kwargs})
 
 
-def validate(callback: CUDAGraphCallback, width: int = 6) -> dict:
-    trainer(callback).validate(Classifier(width), loader(VAL_BATCHES, width), verbose=False)
+def validate(callback: CUDAGraphCallback, width: int = 6, batches: int = VAL_BATCHES) -> dict:
+    trainer(callback).validate(Classifier(width), loader(batches, width), verbose=False)
     return callback.last_stats
 
 
@@ -100,12 +104,16 @@ def test_a_checkpoint_restores_the_plan_and_known_keys_are_captured_at_first_sig
 
     second = CUDAGraphCallback(**OPTIONS)
     spy = StateAtStart(second)
-    trainer(second, spy).validate(model, loader(VAL_BATCHES), ckpt_path=path, verbose=False)
+    trainer(second, spy).validate(model, loader(LATER_BATCHES), ckpt_path=path, verbose=False)
 
     assert spy.state == saved
     stats = second.last_stats
     assert stats["eager_no_graph_yet"] == 0 and stats["hits"] >= 1
     assert stats["graphs"] == 0 and second.manager.is_captured()  # prepared, on the CPU
+    # Without the checkpoint, the same run captures nothing.
+    alone = CUDAGraphCallback(**OPTIONS)
+    trainer(alone).validate(model, loader(LATER_BATCHES), verbose=False)
+    assert alone.last_stats["eager_no_graph_yet"] == LATER_BATCHES
 
 
 def test_a_plan_file_is_written_at_the_run_end_and_read_by_a_later_callback(tmp_path):
@@ -116,10 +124,11 @@ def test_a_plan_file_is_written_at_the_run_end_and_read_by_a_later_callback(tmp_
     assert [record["sightings"] for record in state["keys"].values()] == [VAL_BATCHES]
 
     later = CUDAGraphCallback(plan=str(plan), **OPTIONS)
-    stats = validate(later)
+    stats = validate(later, batches=LATER_BATCHES)
     assert stats["eager_no_graph_yet"] == 0 and stats["hits"] >= 1
     (record,) = json.loads(plan.read_text())["keys"].values()
-    assert record["sightings"] == 2 * VAL_BATCHES
+    assert record["sightings"] == VAL_BATCHES + LATER_BATCHES
+    assert validate(CUDAGraphCallback(**OPTIONS), batches=LATER_BATCHES)["hits"] == 0
 
 
 def corrupt(plan, tmp_path):

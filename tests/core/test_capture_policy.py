@@ -6,7 +6,6 @@ import pytest
 import torch
 from toy_encoder import ToyEncoder, ToyTower
 
-from lightning_cg.core import capture_policy
 from lightning_cg.core.capture_policy import (
     CAPTURE,
     FIRST_CAPTURE_FACTOR,
@@ -17,14 +16,15 @@ from lightning_cg.core.capture_policy import (
     SAMPLES,
     WAIT,
     CapturePolicy,
-    ProcessCaptures,
 )
 from lightning_cg.engine.manager import EncoderGraphManager
 
 
 def policy_for(expected_calls: int | None, captured_before: bool = True, **options):
-    """A policy in a process that has (or has not yet) captured a graph."""
-    policy = CapturePolicy(process=ProcessCaptures(count=int(captured_before)), **options)
+    """A policy whose tower has (or has not yet) had a graph captured."""
+    policy = CapturePolicy(**options)
+    if captured_before:
+        policy.record_capture("an earlier key", 0.0)
     policy.begin_run(expected_calls=expected_calls)
     return policy
 
@@ -76,27 +76,27 @@ def test_a_run_of_known_length_captures_once_its_remaining_calls_repay_the_captu
     assert [see(long, "a", eager_s=0.01) for _ in range(2)] == [WAIT, CAPTURE]
 
 
-def test_the_first_capture_of_a_process_is_expected_to_cost_more():
-    # 4 x 5 eager runs: a run of 12 calls no longer repays it, one of 42 does.
-    assert FIRST_CAPTURE_FACTOR == 4
-    short = policy_for(expected_calls=41, captured_before=False)
+def test_the_first_capture_of_a_tower_is_expected_to_cost_more():
+    # 2 x 5 eager runs: a run of 12 calls no longer repays it, one of 22 does.
+    assert FIRST_CAPTURE_FACTOR == 2
+    short = policy_for(expected_calls=21, captured_before=False)
     see(short, "a", eager_s=0.01)
-    assert short.estimates("a")["capture_s"] == pytest.approx(0.01 * 5 * 4)
+    assert short.estimates("a")["capture_s"] == pytest.approx(0.01 * 5 * 2)
     assert see(short, "a") == WAIT
-    long = policy_for(expected_calls=42, captured_before=False)
+    long = policy_for(expected_calls=22, captured_before=False)
     see(long, "a", eager_s=0.01)
     assert see(long, "a") == CAPTURE
 
 
-def test_measured_captures_replace_the_prior_but_a_process_first_capture_teaches_nothing():
-    process = ProcessCaptures()
-    policy = CapturePolicy(process=process)
+def test_measured_captures_replace_the_prior_but_a_towers_first_capture_teaches_nothing():
+    policy = CapturePolicy()
     policy.begin_run(expected_calls=100)
     for key in ("first", "second", "third"):
         see(policy, key, eager_s=0.010)
-    policy.record_capture("first", 0.5)  # the libraries' set-up: 50 eager runs
-    assert process.count == 1
+    policy.record_capture("first", 0.5)  # the kernels' set-up: 50 eager runs
     assert policy.estimates("third")["capture_s"] == pytest.approx(0.010 * PRIOR_CAPTURE_RATIO)
+    # A key's own measured capture is its estimate, the first one's too.
+    assert policy.estimates("first")["capture_s"] == pytest.approx(0.5)
     policy.record_capture("second", 0.020)  # 2 eager runs
     assert policy.estimates("third")["capture_s"] == pytest.approx(0.020)
 
@@ -137,12 +137,18 @@ def test_a_run_of_unknown_length_captures_once_the_spent_time_reaches_the_cost_m
     assert decisions[1] == [WAIT, CAPTURE, CAPTURE, CAPTURE]
 
 
-@pytest.mark.parametrize("batches, capture_run", [(48, 2), (100, 1)])
-def test_multi_scale_validation_captures_every_resolution_by_the_third_run(batches, capture_run):
-    # Four resolutions cycling, three runs of one Trainer; the process has not
-    # captured before (the first capture costs 4 x 5 eager runs). No run
-    # captures late in itself: every side is captured at its first sighting
-    # of the run whose start finds enough eager time spent on it.
+@pytest.mark.parametrize(
+    "batches, capture_run, calls", [(48, 1, [0, 1, 2, 3]), (100, 0, [4, 5, 6, 7])]
+)
+def test_multi_scale_validation_captures_every_resolution_by_the_second_run(
+    batches, capture_run, calls
+):
+    # Four resolutions cycling, three runs of one Trainer; the tower has not
+    # been captured before (its first capture costs 2 x 5 eager runs). A run of
+    # 100 repays the captures within itself: each side is captured at its second
+    # sighting. One of 48 does not, and no run captures late in itself: every
+    # side is captured at its first sighting of the run whose start finds enough
+    # eager time spent on it.
     policy = policy_for(expected_calls=batches, captured_before=False)
     captured: dict[str, int] = {}
     captured_at_call: dict[str, int] = {}
@@ -159,7 +165,7 @@ def test_multi_scale_validation_captures_every_resolution_by_the_third_run(batch
                 captured_at_call[key] = call
                 policy.record_capture(key, 0.2 if not captured or len(captured) == 1 else 0.02)
     assert captured == {f"side_{side}": capture_run for side in range(4)}
-    assert sorted(captured_at_call.values()) == [0, 1, 2, 3]
+    assert sorted(captured_at_call.values()) == calls
 
 
 @pytest.mark.parametrize("later_runs, captured_at", [(None, None), (0, None), (1, 1)])
@@ -268,40 +274,39 @@ def path_with_eager_calls(policy: CapturePolicy, seconds: dict[int, float]) -> C
 
 def test_eager_calls_mostly_launches_promise_a_gain_despite_padding():
     # 10 ms of launches whatever the size, plus 0.1 us a token: a graph removes
-    # the launches. It is expected to cost its budget at the path's cheapest
-    # eager rate (the 4096-token call's), more than the line's slope.
+    # the launches and keeps the work, its budget at the line's slope.
     policy = path_with_eager_calls(
         policy_for(expected_calls=1000), {64: 0.010 + 64e-7, 4096: 0.010 + 4096e-7}
     )
     see(policy, "a", eager_s=0.010, size=1024, tokens=600)
-    cheapest = (0.010 + 4096e-7) / 4096
-    assert policy.estimates("a")["graph_s"] == pytest.approx(cheapest * 1024)
+    assert policy.estimates("a")["graph_s"] == pytest.approx(1e-7 * 1024, rel=0.01)
     assert see(policy, "a", size=1024, tokens=600) == CAPTURE
-    # Of one size only, the path's line gives the graph its slope per token.
-    one_size = policy_for(expected_calls=1000)
-    for tokens in (64, 1024):
-        one_size.record_eager_call("local", tokens, 0.010 + tokens * 1e-7)
-    see(one_size, "b", eager_s=0.010, size=1024, tokens=1024)
-    assert one_size.estimates("b")["graph_s"] == pytest.approx(1e-7 * 1024, rel=0.01)
+    # Compiled graphs fuse work: the line's slope does not bound them either way.
+    fused = path_with_eager_calls(
+        policy_for(expected_calls=1000), {64: 0.010 + 64e-7, 4096: 0.010 + 4096e-7}
+    )
+    fused.graphs_fuse_work = True
+    see(fused, "a", eager_s=0.010, size=1024, tokens=600)
+    padding = 1024 / 600
+    assert fused.estimates("a")["graph_s"] == pytest.approx(PRIOR_GRAPH_RATIO * padding * 0.010)
 
 
-def test_on_a_path_of_several_sizes_a_graph_costs_at_least_its_budget_at_the_cheapest_rate():
+def test_a_graph_that_promised_too_much_is_measured_and_its_path_stays_eager():
     # Eager calls of 1000 to 3000 tokens all took 10 ms: launches alone, or GPU
-    # work the launches hide. At 3000 tokens in 10 ms, a 4096-token graph costs
-    # 13.7 ms, more than eager's 10: no gain is expected.
+    # work the launches hide; the line has no slope and the prior promises a
+    # gain. The captured graph is measured slower than eager: its key goes back
+    # to eager, and the path's other budgets, scaled from it, expect no gain.
     policy = path_with_eager_calls(
         policy_for(expected_calls=1000), {1000: 0.010, 2000: 0.010, 3000: 0.010}
     )
     see(policy, "big", eager_s=0.010, size=4096, tokens=2900)
-    assert policy.estimates("big")["graph_s"] == pytest.approx(0.010 / 3000 * 4096)
-    assert see(policy, "big", size=4096, tokens=2900) == NO_GAIN
-    # Compiled graphs fuse work: the cheapest eager rate does not bound them.
-    fused = path_with_eager_calls(
-        policy_for(expected_calls=1000), {1000: 0.010, 2000: 0.010, 3000: 0.010}
-    )
-    fused.graphs_fuse_work = True
-    see(fused, "big", eager_s=0.010, size=4096, tokens=2900)
-    assert see(fused, "big", size=4096, tokens=2900) == CAPTURE
+    assert see(policy, "big", size=4096, tokens=2900) == CAPTURE
+    policy.record_capture("big", 0.05)
+    for _ in range(SAMPLES):
+        policy.record_replay("big", 0.0137)
+    assert policy.slower_than_eager("big")
+    see(policy, "other", eager_s=0.010, size=3072, tokens=2900)
+    assert see(policy, "other", size=3072, tokens=2900) == NO_GAIN
 
 
 def test_forgotten_graphs_keep_what_the_eager_runs_taught():
@@ -379,23 +384,24 @@ def test_manager_captures_a_key_that_recurs_in_short_runs_and_then_replays_it():
         torch.testing.assert_close(output, expected)
 
 
-def test_manager_lets_a_fit_validation_run_pay_for_the_runs_known_to_follow(monkeypatch):
-    # A process that captured before: a capture costs 5 eager runs, a replay
-    # saves a third of one. The run known to follow will come, so at the second
-    # call the 8 calls left and its 10 (18 x a third >= 5) repay the capture.
-    monkeypatch.setattr(capture_policy.PROCESS_CAPTURES, "count", 1)
+def test_manager_lets_a_fit_validation_run_pay_for_the_runs_known_to_follow():
+    # The tower's first capture costs 2 x 5 eager runs, a replay saves a third
+    # of one (12 real tokens in a 16-token budget). Three runs known to follow
+    # will come, so at the second call the 8 calls left and their 30 (38 x a
+    # third >= 10) repay the capture.
     _, manager, inputs, expected = toy_manager(drop_slower_graphs=False)
-    manager.begin_run(expected_calls=10, later_runs=1)
+    manager.begin_run(expected_calls=10, later_runs=3)
     for output in run_calls(manager, inputs, 10):
         torch.testing.assert_close(output, expected)
     assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 9)
-    # Without it, 8 x a third < 5: the run stays eager. Its eager time spent
-    # (9 eager runs) exceeds the capture's cost, so the next run captures at
-    # its first call.
+    # Alone, a run of 10 stays eager (8 x a third < 10), and so does the next
+    # (9 eager runs spent < 10). After two, 19 eager runs spent exceed the
+    # capture's cost: the third run captures at its first call.
     _, alone, inputs, _ = toy_manager(drop_slower_graphs=False)
-    alone.begin_run(expected_calls=10)
-    run_calls(alone, inputs, 10)
-    assert alone.stats.eager_no_graph_yet == 10 and not alone.is_captured()
+    for _ in range(2):
+        alone.begin_run(expected_calls=10)
+        run_calls(alone, inputs, 10)
+        assert alone.stats.eager_no_graph_yet == 10 and not alone.is_captured()
     alone.begin_run(expected_calls=10)
     run_calls(alone, inputs, 2)
     assert (alone.stats.eager_no_graph_yet, alone.stats.hits) == (0, 2)
@@ -463,3 +469,19 @@ def test_manager_times_an_eager_path_beside_a_replayed_one_and_captures_it():
     assert [key.path for key in manager.cache.keys()].count("global") == 1
     assert (manager.stats.eager_no_graph_yet, manager.stats.hits) == (1, 5 + 4)
 
+
+def test_a_capture_that_costs_more_than_the_runs_eager_time_is_named():
+    # 10 calls of 10 ms: 90 ms of eager time counted (from the key's second
+    # sighting on). A capture of 0.5 s exceeds it, one of 20 ms does not; the
+    # next run starts with none named.
+    policy = policy_for(expected_calls=10)
+    see(policy, "quick", eager_s=0.01)
+    for _ in range(10):
+        see(policy, "slow", eager_s=0.01)
+    policy.record_capture("slow", 0.5)
+    policy.record_capture("quick", 0.02)
+    (costly,) = policy.costly_captures()
+    assert costly.key == "slow" and costly.seconds == 0.5
+    assert costly.run_eager_seconds == pytest.approx(0.09)
+    policy.begin_run(expected_calls=10)
+    assert policy.costly_captures() == []

@@ -15,11 +15,10 @@ from lightning_cg.core.capture_policy import (
     SAMPLES,
     WAIT,
     CapturePolicy,
-    ProcessCaptures,
 )
 from lightning_cg.core.record_values import path_costs_from_values, record_from_values
 
-#: Calls of a run too short to repay a process's first capture from its own sightings:
+#: Calls of a run too short to repay a tower's first capture from its own sightings:
 #: at the key's second sighting, ``RUN - 2`` replays each gain half an eager run.
 RUN = int(PRIOR_CAPTURE_RATIO * FIRST_CAPTURE_FACTOR / (1 - PRIOR_GRAPH_RATIO))
 EAGER_S = 0.01
@@ -34,6 +33,13 @@ def see(policy: CapturePolicy, key: str, eager_s: float | None = EAGER_S) -> str
     return policy.decide(key)
 
 
+def captured_before() -> CapturePolicy:
+    """A policy whose tower has had a graph captured (its first capture paid)."""
+    policy = CapturePolicy()
+    policy.record_capture("an earlier key", 0.0)
+    return policy
+
+
 def exported(policy: CapturePolicy) -> dict:
     """The policy's state through JSON, keys named by themselves."""
     return json.loads(json.dumps(policy.export_state(str)))
@@ -42,7 +48,7 @@ def exported(policy: CapturePolicy) -> dict:
 def later_policy(state: dict | None, key: str = "a") -> CapturePolicy:
     """A fresh process's policy at the start of a run like the first, given ``state``
     (None: nothing learned), before ``key``'s first sighting."""
-    policy = CapturePolicy(process=ProcessCaptures())
+    policy = CapturePolicy()
     if state is not None:
         paths = {path: path_costs_from_values(v) for path, v in state["paths"].items()}
         policy.import_state(state["calls"], paths)
@@ -51,41 +57,65 @@ def later_policy(state: dict | None, key: str = "a") -> CapturePolicy:
     return policy
 
 
-def test_a_key_that_repays_is_captured_at_its_first_sighting_of_a_later_process():
-    earlier = CapturePolicy(process=ProcessCaptures())
+def measured_earlier(replay_s: float, capture_s: float) -> dict:
+    """The state of a process whose run of ``RUN`` calls captured ``a`` and measured it."""
+    earlier = CapturePolicy()
     earlier.begin_run(expected_calls=RUN)
-    assert CAPTURE not in [see(earlier, "a") for _ in range(RUN)]  # no run alone repays it
-    state = exported(earlier)
+    for _ in range(RUN):
+        see(earlier, "a")
+    earlier.record_capture("a", seconds=capture_s)
+    for _ in range(SAMPLES):
+        earlier.record_replay("a", replay_s)
+    return exported(earlier)
 
+
+def test_a_key_whose_measured_capture_the_run_repays_is_captured_at_its_first_sighting():
+    # Measured: a replay saves 3/4 of an eager run, the capture costs 3: the RUN - 1
+    # calls left repay it at once. Without the plan the key waits for its second
+    # sighting, and the prior's first capture (10 eager runs) for more calls than that.
+    state = measured_earlier(replay_s=EAGER_S / 4, capture_s=3 * EAGER_S)
     assert see(later_policy(state), "a") == CAPTURE
     assert see(later_policy(None), "a") == WAIT
 
 
+def test_the_eager_time_an_earlier_process_spent_buys_no_capture():
+    # Measured: the capture costs 30 eager runs, more than a run of RUN calls
+    # saves; the earlier process spent RUN - 1 eager runs on the key. A later
+    # process captures only once its own eager time reaches the capture's cost.
+    state = measured_earlier(replay_s=EAGER_S / 4, capture_s=30 * EAGER_S)
+    assert state["keys"]["a"]["eager_spent"] == pytest.approx((RUN - 1) * EAGER_S)
+    later = later_policy(state)
+    decisions = [see(later, "a") for _ in range(RUN)]
+    assert CAPTURE not in decisions
+    assert later.estimates("a")["capture_s"] == pytest.approx(30 * EAGER_S)
+
+
 @pytest.mark.parametrize(
-    ("capture_ratio", "decision"),
-    [(1.0, CAPTURE), (None, WAIT)],
-    ids=["measured_ratio_replaces_the_prior", "prior_ratio"],
+    ("capture_seconds", "decision"),
+    [(EAGER_S, CAPTURE), (None, WAIT)],
+    ids=["measured_capture_replaces_the_prior", "prior_capture"],
 )
-def test_an_imported_capture_ratio_replaces_the_prior(capture_ratio, decision):
-    # A process that had captured before measures this key's capture at one eager run.
-    earlier = CapturePolicy(process=ProcessCaptures(count=1))
+def test_an_imported_capture_time_replaces_the_prior(capture_seconds, decision):
+    earlier = captured_before()
     earlier.begin_run(expected_calls=1)
     for _ in range(6):
         see(earlier, "a")
     earlier.record_capture("a", seconds=EAGER_S)
     state = exported(earlier)
-    state["keys"]["a"]["capture_ratio"] = capture_ratio
-    # About 5 eager runs spent: above a first capture at the measured ratio (4 x 1), below
-    # one at the prior (4 x 5); a run of one call repays nothing.
-    later = CapturePolicy(process=ProcessCaptures())
+    state["keys"]["a"]["capture_seconds"] = capture_seconds
+    state["keys"]["a"]["capture_ratio"] = None
+    # A run of 5: 4 calls left, each saving half an eager run, repay a capture of one
+    # eager run, not the prior's first capture (2 x 5).
+    later = CapturePolicy()
+    later.import_state(state["calls"], {})
     later.import_record("a", record_from_values(state["keys"]["a"]))
-    later.begin_run(expected_calls=1)
+    later.begin_run(expected_calls=5)
 
     assert see(later, "a") == decision
 
 
 def test_a_key_measured_slower_than_eager_stays_eager():
-    earlier = CapturePolicy(process=ProcessCaptures(count=1))
+    earlier = captured_before()
     earlier.begin_run(expected_calls=None)
     for _ in range(3):
         see(earlier, "a")
@@ -98,7 +128,7 @@ def test_a_key_measured_slower_than_eager_stays_eager():
 
 
 def test_a_record_survives_json_unchanged():
-    earlier = CapturePolicy(process=ProcessCaptures(count=1))
+    earlier = captured_before()
     earlier.begin_run(expected_calls=None)
     for _ in range(4):
         see(earlier, "a")
@@ -107,9 +137,10 @@ def test_a_record_survives_json_unchanged():
     state = exported(earlier)
     later = later_policy(state)
 
-    assert exported(later)["keys"] == state["keys"]
+    # Everything but the eager time spent, which buys captures only in its own process.
+    assert exported(later)["keys"] == {"a": state["keys"]["a"] | {"eager_spent": 0.0}}
     assert exported(later)["paths"] == state["paths"]
-    for estimate in ("sightings", "eager_s", "graph_s", "eager_spent_s"):
+    for estimate in ("sightings", "eager_s", "graph_s", "capture_s"):
         assert later.estimates("a")[estimate] == earlier.estimates("a")[estimate], estimate
 
 
@@ -122,6 +153,7 @@ GOOD = {
     "eager_seconds_per_token": [1e-4],
     "graph_seconds": [],
     "capture_ratio": None,
+    "capture_seconds": None,
 }
 
 
@@ -137,6 +169,7 @@ GOOD = {
         ({"eager_seconds_per_token": [1e-4] * (SAMPLES + 1)}, "more than 3"),
         ({"graph_seconds": ["fast"]}, "graph_seconds must be a finite number"),
         ({"capture_ratio": "5"}, "capture_ratio must be a finite number"),
+        ({"capture_seconds": -1.0}, "capture_seconds must be a finite number >= 0"),
         ({"real_tokens": None}, "real_tokens must be a finite number"),
     ],
     ids=lambda value: repr(value)[:40],

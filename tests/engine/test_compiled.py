@@ -15,7 +15,6 @@ from examples.models.packed_vit import PackedViT
 from examples.models.packed_vit_config import packed_vit_small_config
 from lightning_cg.adapters.batched import BatchedEncoderAdapter
 from lightning_cg.adapters.packed import PackedEncoderAdapter
-from lightning_cg.core.capture_policy import PROCESS_CAPTURES
 from lightning_cg.engine.compiled import CompiledEncoder
 from lightning_cg.engine.encoder import GraphableEncoder
 from lightning_cg.engine.manager import EncoderGraphManager
@@ -127,8 +126,6 @@ def test_the_policy_leaves_the_one_time_compile_out_of_a_keys_capture_cost(monke
     monkeypatch.setattr(
         compiled_module, "CompiledEncoder", functools.partial(CompiledEncoder, backend=slow_backend)
     )
-    # Not the process's first capture: that one teaches no capture cost.
-    monkeypatch.setattr(PROCESS_CAPTURES, "count", 1)
     manager = EncoderGraphManager(ToyEncoder(ToyTower().cuda().eval()), compile=True)
     manager.begin_run(expected_calls=100)
     rng = random.Random(0)
