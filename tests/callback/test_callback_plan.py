@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from test_callback import trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -60,18 +60,6 @@ def loader(batches: int, width: int = 6) -> DataLoader:
     x = torch.randn(batches * BATCH, width, generator=generator)
     y = torch.randint(0, 2, (batches * BATCH,), generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=BATCH)
-
-
-def trainer(*callbacks, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return Trainer(callbacks=list(callbacks), **{**options, **kwargs})
 
 
 def validate(callback: CUDAGraphCallback, width: int = 6, batches: int = VAL_BATCHES) -> dict:

@@ -4,7 +4,8 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
+from test_callback import trainer
 from torch import nn
 from torch.utils.data import DataLoader
 from torchvision.models import resnet18
@@ -34,17 +35,6 @@ class Holder(LightningModule):
 
 def predict_with(callback: CUDAGraphCallback, model: Holder) -> None:
     trainer(callback).predict(model, DataLoader(torch.zeros(2, 4), batch_size=2))
-
-
-def trainer(*callbacks) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=list(callbacks),
-    )
 
 
 def found_at_run_start(model: Holder) -> tuple[str, nn.Module]:
