@@ -1,13 +1,18 @@
 """The callback's one-line run report."""
 
+import re
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from test_callback import trainer
+from test_callback_plan import OPTIONS, Classifier, loader
 
 import lightning_cg.callback.report as callback_report
+from lightning_cg.callback.graph_callback import CUDAGraphCallback
 from lightning_cg.core.stats import GraphStats
+from lightning_cg.engine.capture import GraphCapturer
 
 
 def report(monkeypatch, on_cuda: bool = True, **counters) -> str:
@@ -77,3 +82,27 @@ def test_the_cpu_line_says_how_sub_batches_ran_without_graphs(monkeypatch):
     assert "no CUDA graphs on the CPU" in line
     assert "90 sub-batch paths ran the padded budget path, 10 eagerly" in line
     assert "padding waste 25.0%" in line and "graph replays" not in line
+
+
+def test_a_capture_costlier_than_the_runs_eager_time_is_named_on_its_own_line(monkeypatch):
+    # 40 batches repay a capture from the key's second sighting; the capture is
+    # timed at 0.3 s more than it took (on the CPU it only prepares the budget
+    # path), more than the whole run of eager calls of a small tower.
+    lines = []
+    monkeypatch.setattr(callback_report, "rank_zero_info", lines.append)
+    capture = GraphCapturer.capture
+    monkeypatch.setattr(GraphCapturer, "capture", lambda self, keys: capture(self, keys) + 0.3)
+    callback = CUDAGraphCallback(**OPTIONS)
+    trainer(callback).validate(Classifier(), loader(40), verbose=False)
+    costly = [line for line in lines if "more than the run's" in line]
+    assert len(costly) == 1, lines
+    assert re.search(
+        r"CUDAGraphCallback \(validate, module='tower'\): capturing the '\w+' graph of 4 "
+        r"tokens took 0\.[3-9]\d s, more than the run's 0\.0\d s of eager tower time",
+        costly[0],
+    ), costly[0]
+    # A run whose capture costs less names none.
+    monkeypatch.setattr(GraphCapturer, "capture", capture)
+    lines.clear()
+    trainer(CUDAGraphCallback(**OPTIONS)).validate(Classifier(), loader(40), verbose=False)
+    assert not [line for line in lines if "more than the run's" in line]
