@@ -152,7 +152,17 @@ class RunClock(pl.Callback):
     def __init__(self, graph_callback: pl.Callback | None = None) -> None:
         self.graph_callback = graph_callback
         self.records: list[RunRecord] = []
+        #: Peak device memory allocated in each training epoch (MiB; CUDA only).
+        self.train_peaks_mib: list[float] = []
         self._started = 0.0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            self.train_peaks_mib.append(torch.cuda.max_memory_allocated(pl_module.device) / 2**20)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(pl_module)

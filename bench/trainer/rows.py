@@ -67,6 +67,8 @@ FIT_KEYS = (
     "callback_epoch_graphs_captured",
     "eager_fit_wall_s",
     "callback_fit_wall_s",
+    "eager_train_peak_mib",
+    "callback_train_peak_mib",
 )
 _ROW_ID = ("workload", "batches", "run", "trainer")
 _RUNS = {
@@ -167,16 +169,18 @@ def fit_row(
     images: int,
     epochs: int,
     val_batches: int,
-    results: Mapping[str, tuple[Sequence[RunRecord], float]],
+    results: Mapping[str, tuple[Sequence[RunRecord], float, Sequence[float]]],
 ) -> dict[str, Any]:
-    """The row of a fit: validation tower time summed over the epochs, per method.
+    """The row of a fit: validation tower time summed over the epochs, and each training
+    epoch's peak memory allocated, per method.
 
     Args:
         workload: the fit workload's name.
         images: validation images per epoch.
         epochs: epochs of the fit.
         val_batches: validation batches per epoch.
-        results: per method, the validation runs' records and the fit's wall time.
+        results: per method, the validation runs' records, the fit's wall time and the
+            training epochs' peak memory allocated (MiB).
     """
     row = _empty_row(workload, epochs * val_batches, f"epochs_1-{epochs}")
     row.update(
@@ -185,7 +189,8 @@ def fit_row(
         val_batches_per_epoch=val_batches,
         images=epochs * images,
     )
-    for method, (records, fit_s) in results.items():
+    for method, (records, fit_s, train_peaks) in results.items():
+        row[f"{method}_train_peak_mib"] = list(train_peaks)
         row[f"{method}_tower_s"] = sum(record.tower_s for record in records)
         row[f"{method}_wall_s"] = sum(record.wall_s for record in records)
         row[f"{method}_epoch_tower_s"] = [record.tower_s for record in records]
@@ -321,6 +326,15 @@ def describe(row: Mapping[str, Any]) -> str:
         parts.append(f"{row['callback_replays']} replays")
     if row.get("sides"):
         parts.append("sides " + "/".join(str(side) for side in row["sides"]))
+    if row.get("callback_epoch_tower_s"):
+        epochs = [f"{s * 1000:.0f}" for s in row["callback_epoch_tower_s"]]
+        parts.append("callback epochs ms " + "/".join(epochs))
+    peaks = [row.get(f"{method}_train_peak_mib") for method in (EAGER, CALLBACK)]
+    if all(peaks):
+        parts.append(
+            "training peak MiB eager/callback "
+            + ", ".join(f"{e:.0f}/{c:.0f}" for e, c in zip(*peaks, strict=True))
+        )
     return "; ".join(parts)
 
 

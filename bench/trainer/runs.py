@@ -131,8 +131,9 @@ def fit_runs(
     method: str,
     settings: TrainerSettings,
     epochs: int,
-) -> tuple[list[RunRecord], float]:
-    """The validation runs of ``trainer.fit`` for ``epochs`` epochs, and the wall time of the fit.
+) -> tuple[list[RunRecord], float, list[float]]:
+    """The validation runs of ``trainer.fit`` for ``epochs`` epochs, the wall time of the
+    fit, and each training epoch's peak device memory allocated (MiB; empty off CUDA).
 
     Args:
         tower: the workload's tower; the method trains a deep copy of it.
@@ -149,7 +150,7 @@ def fit_runs(
     started = time.perf_counter()
     trainer.fit(module, train_batches.loader(), val_batches.loader())
     fit_s = time.perf_counter() - started
-    return clock.records, fit_s
+    return clock.records, fit_s, clock.train_peaks_mib
 
 
 def make_trainer(
