@@ -1,8 +1,8 @@
 """When a key is worth a graph: the capture rule.
 
 A key is captured once a graph is expected to gain and either the calls known to come
-repay its capture, or the eager time this process spent on it reaches its capture cost
-(ski rental). A graph measured slower than its key's eager runs sends the key back to eager.
+repay its capture, or the eager time spent on it reaches its capture cost (ski rental).
+A graph measured slower than its key's eager runs sends the key back to eager.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ class CapturePolicy:
 
     In a run of known length only earlier runs' eager time counts toward ski rental, so
     a key this run cannot repay is captured at the next run's start, not late in this one.
-    Eager time spent in an earlier process (a loaded plan) does not count: a plan's key
-    is captured at its first sighting only when the calls known to come repay it.
+    There, eager time spent in an earlier process (a loaded plan) does not count either:
+    a plan's key is captured at its first sighting only when the calls known to come repay
+    it. A run of unknown length (a serving loop) counts it, as the process's own.
 
     Args:
         first_use: capture every key at its first sighting (``capture="first_use"``).
@@ -173,7 +174,10 @@ class CapturePolicy:
         if gain <= 0:
             return NO_GAIN
         cost = self.capture_estimate(record)
-        spent = record.eager_spent if self._expected_calls is None else record.spent_before_run
+        if self._expected_calls is None:
+            spent = record.eager_spent
+        else:
+            spent = record.spent_before_run - record.imported_spent
         if self.known_sightings(record) * gain >= cost or spent >= cost:
             return CAPTURE
         return WAIT
@@ -272,8 +276,8 @@ class CapturePolicy:
 
     def import_record(self, key: Hashable, record: KeyRecord) -> None:
         """``key``'s record from an earlier process, unless the key has one here: its
-        sightings and measured times count; the eager time spent on it does not (ski rental
-        pays only for this process's eager runs)."""
+        sightings and measured times count, and the eager time spent on it counts in runs
+        of unknown length only (see the class)."""
         if key not in self._keys:
-            record.eager_spent = record.spent_before_run = 0.0
+            record.spent_before_run = record.imported_spent = record.eager_spent
             self._keys[key] = record

@@ -23,6 +23,8 @@ class KeyRecord:
     eager_spent: float = 0.0
     #: ``eager_spent`` when the current run began.
     spent_before_run: float = 0.0
+    #: The part of ``eager_spent`` spent in earlier processes (a loaded plan).
+    imported_spent: float = 0.0
     eager_seconds_per_token: list[float] = field(default_factory=list)
     graph_seconds: list[float] = field(default_factory=list)
     #: Capture seconds / eager seconds, once a capture after the tower's first is timed.

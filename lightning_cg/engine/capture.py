@@ -76,6 +76,8 @@ class GraphCapturer:
         self._tower = tower if isinstance(tower, nn.Module) else None
         #: The capture error of unknown cause that turned every path eager.
         self.capture_error: str | None = None
+        #: A capture changed what the graphs hold since :meth:`refresh_memory` last ran.
+        self.memory_stale = False
 
     def capture(self, keys: Sequence[GraphKey]) -> float:
         """Capture those of ``keys`` not captured nor ruled out; returns the seconds it took."""
@@ -93,12 +95,20 @@ class GraphCapturer:
             stats.capture_seconds_run += seconds
         stats.graphs_captured += max(0, self.cache.num_cuda_graphs - graphs_before)
         stats.graphs = self.cache.num_cuda_graphs
+        # Read from the allocator when the stats are read: a snapshot walks every block.
+        self.memory_stale = True
+        return seconds
+
+    def refresh_memory(self) -> None:
+        """Set the stats' memory fields to what the graphs hold now: the whole pool (not a
+        capture's growth: captures share it and reuse its free blocks), the input buffers
+        outside it and the weight copies."""
+        stats = self.stats
         stats.weight_copy_bytes = 0 if self.weight_casts is None else self.weight_casts.nbytes
-        # The whole pool, not this capture's growth: captures share it and reuse its free blocks.
         memory = graph_memory(self.cache)
         stats.pool_bytes = memory.pool_bytes
         stats.held_bytes = memory.pool_bytes + memory.input_bytes + stats.weight_copy_bytes
-        return seconds
+        self.memory_stale = False
 
     def _capture_recovering(self, keys: list[GraphKey]) -> None:
         out_of_memory: dict[str, list[int]] = {}

@@ -57,7 +57,7 @@ class EncoderGraphManager:
             )
         self.config = GraphConfig.from_config_or_options(config, options)
         self.mode = self.config.mode
-        self.stats = GraphStats()
+        self._stats = GraphStats()
         # Adapters that build their output from each path's rows skip the per-item split.
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
         #: The compiling wrapper of the adapter, which the parts capture (None uncompiled).
@@ -73,11 +73,11 @@ class EncoderGraphManager:
         self.cache = GraphCache()
         weight_casts = weight_casts_for(encoder, self.config.cast_weights_per_run)
         self.capturer = GraphCapturer(
-            encoder, self.config, self.plans, self.cache, self.stats, progress, weight_casts
+            encoder, self.config, self.plans, self.cache, self._stats, progress, weight_casts
         )
         self.policy = CapturePolicy(first_use=self.config.capture in ("first_use", "upfront"))
         self.runner = CallRunner(
-            encoder, self.config, self.plans, self.cache, self.capturer, self.policy, self.stats
+            encoder, self.config, self.plans, self.cache, self.capturer, self.policy, self._stats
         )
         #: Compiled capture's plans and how it ends (None uncompiled).
         self.compiling = None
@@ -85,7 +85,7 @@ class EncoderGraphManager:
             self.compiling = CompileLifecycle(
                 self.compiled_encoder,
                 self.config,
-                self.stats,
+                self._stats,
                 self.plans,
                 choices,
                 self.capturer,
@@ -110,6 +110,14 @@ class EncoderGraphManager:
                 self.load_state_dict(state, source=f"file {self.config.plan!r}")
 
     @property
+    def stats(self) -> GraphStats:
+        """The counters of every run (see :class:`~lightning_cg.core.stats.GraphStats`);
+        memory is read from the allocator when a capture changed it."""
+        if self.capturer.memory_stale:
+            self.capturer.refresh_memory()
+        return self._stats
+
+    @property
     def capture_error(self) -> str | None:
         """The capture error of unknown cause that turned every path eager, or None."""
         return self.capturer.capture_error
@@ -132,7 +140,7 @@ class EncoderGraphManager:
     def begin_run(self, expected_calls: int | None = None, later_runs: int | None = None) -> None:
         """Start a run: zero the run counters, tell the capture policy the calls to expect
         and the runs like it known to follow (None: unknown), and refresh the weight copies."""
-        self.stats.reset_run()
+        self._stats.reset_run()
         self.policy.begin_run(expected_calls, later_runs)
         self.run_state.begin_run()
         if self.weight_casts is not None:
@@ -157,10 +165,8 @@ class EncoderGraphManager:
         if not keep_timings:
             self.policy.forget_graphs()
             self.run_state.forget_graphs()
-        self.stats.graphs = 0
-        self.stats.pool_bytes = 0
-        self.stats.weight_copy_bytes = 0
-        self.stats.held_bytes = 0
+        self._stats.graphs = 0
+        self.capturer.refresh_memory()
 
     def state_dict(self) -> dict[str, Any]:
         """What the capture rule learned, in JSON's types: per key (by a text of its graph
@@ -238,6 +244,6 @@ class EncoderGraphManager:
 
     def _counted_specs(self, inputs: Any) -> list[ItemSpec]:
         specs = self.encoder.item_specs(inputs)
-        self.stats.items += len(specs)
-        self.stats.tokens += sum(spec.output_tokens for spec in specs)
+        self._stats.items += len(specs)
+        self._stats.tokens += sum(spec.output_tokens for spec in specs)
         return specs

@@ -54,6 +54,11 @@ class WeightCasts:
     def __init__(self, tower: nn.Module) -> None:
         self._tower = tower
         self._copies: dict[torch.dtype, list[_Copy]] = {}
+        #: Conv copies in channels_last: a tower with grouped convolutions keeps their
+        #: layout (one layout throughout, no conversions between layers).
+        self.channels_last = not any(
+            isinstance(module, nn.Conv2d) and module.groups > 1 for module in tower.modules()
+        )
 
     @contextlib.contextmanager
     def swapped_in(self, dtype: torch.dtype | None) -> Iterator[None]:
@@ -101,7 +106,7 @@ class WeightCasts:
                 if master.dtype != torch.float32:
                     continue
                 low = master.detach().to(dtype)
-                if low.dim() == 4:
+                if low.dim() == 4 and self.channels_last:
                     # A 2-D convolution's weight: channels_last makes cuDNN run the
                     # convolution and what follows it in NHWC (see the module docstring).
                     low = low.contiguous(memory_format=torch.channels_last)

@@ -78,16 +78,32 @@ def test_a_key_whose_measured_capture_the_run_repays_is_captured_at_its_first_si
     assert see(later_policy(None), "a") == WAIT
 
 
-def test_the_eager_time_an_earlier_process_spent_buys_no_capture():
-    # Measured: the capture costs 30 eager runs, more than a run of RUN calls
+def test_in_a_run_of_known_length_an_earlier_process_eager_time_buys_no_capture():
+    # Measured: the capture costs 25 eager runs, more than a run of RUN calls
     # saves; the earlier process spent RUN - 1 eager runs on the key. A later
-    # process captures only once its own eager time reaches the capture's cost.
-    state = measured_earlier(replay_s=EAGER_S / 4, capture_s=30 * EAGER_S)
+    # process's runs of known length capture once their own eager time reaches
+    # the capture's cost: at the third run's start, not the first's.
+    state = measured_earlier(replay_s=EAGER_S / 4, capture_s=25 * EAGER_S)
     assert state["keys"]["a"]["eager_spent"] == pytest.approx((RUN - 1) * EAGER_S)
     later = later_policy(state)
-    decisions = [see(later, "a") for _ in range(RUN)]
-    assert CAPTURE not in decisions
-    assert later.estimates("a")["capture_s"] == pytest.approx(30 * EAGER_S)
+    assert later.estimates("a")["capture_s"] == pytest.approx(25 * EAGER_S)
+    runs = [[see(later, "a") for _ in range(RUN)]]
+    for _ in range(2):
+        later.begin_run(expected_calls=RUN)
+        runs.append([see(later, "a") for _ in range(RUN)])
+    assert CAPTURE not in runs[0] + runs[1]
+    assert runs[2][0] == CAPTURE
+
+
+def test_in_a_run_of_unknown_length_an_earlier_process_eager_time_counts():
+    # A serving loop (no calls known to come): the RUN - 1 eager runs spent in
+    # the earlier process exceed the measured capture, so the key is captured
+    # at its first sighting.
+    state = measured_earlier(replay_s=EAGER_S / 4, capture_s=15 * EAGER_S)
+    later = later_policy(state)
+    later.begin_run(expected_calls=None)
+    assert see(later, "a") == CAPTURE
+    assert see(later_policy(None), "a") == WAIT
 
 
 @pytest.mark.parametrize(
@@ -137,10 +153,9 @@ def test_a_record_survives_json_unchanged():
     state = exported(earlier)
     later = later_policy(state)
 
-    # Everything but the eager time spent, which buys captures only in its own process.
-    assert exported(later)["keys"] == {"a": state["keys"]["a"] | {"eager_spent": 0.0}}
+    assert exported(later)["keys"] == state["keys"]
     assert exported(later)["paths"] == state["paths"]
-    for estimate in ("sightings", "eager_s", "graph_s", "capture_s"):
+    for estimate in ("sightings", "eager_s", "graph_s", "capture_s", "eager_spent_s"):
         assert later.estimates("a")[estimate] == earlier.estimates("a")[estimate], estimate
 
 

@@ -60,6 +60,16 @@ def test_convolution_copies_are_channels_last_through_refresh(tower_and_images):
     assert torch.equal(copy, tower.conv.weight.to(torch.bfloat16))
 
 
+def test_a_tower_with_grouped_convolutions_keeps_its_conv_layout(tower_and_images):
+    tower, _ = tower_and_images
+    tower.depthwise = nn.Conv2d(8, 8, 3, groups=8)
+    casts = WeightCasts(tower)
+    with casts.swapped_in(torch.bfloat16):
+        copies = (tower.conv.weight, tower.depthwise.weight)
+    assert not casts.channels_last
+    assert all(copy.is_contiguous() and copy.dtype == torch.bfloat16 for copy in copies)
+
+
 def test_the_tower_gets_its_own_parameters_back(tower_and_images):
     tower, images = tower_and_images
     before = dict(tower.named_parameters())
