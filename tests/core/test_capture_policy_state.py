@@ -200,3 +200,26 @@ def test_a_record_without_a_field_is_refused_naming_it():
     del values["graph_seconds"]
     with pytest.raises(ValueError, match="graph_seconds is missing"):
         record_from_values(values)
+
+
+def test_a_first_capture_of_300_eager_calls_is_named_and_not_paid_again_by_a_short_run():
+    # A depthwise tower's first capture cost 300 eager calls in a run of 150: the
+    # run names it. A later process, given the plan, expects the key's capture at
+    # those 300 calls: a run of 150 (149 calls left, each saving 3/4 of one) does
+    # not repay it, so that run stays eager instead of paying it again.
+    earlier = CapturePolicy()
+    earlier.begin_run(expected_calls=150)
+    decisions = [see(earlier, "a") for _ in range(150)]
+    assert CAPTURE in decisions  # the prior expected 10 eager calls
+    earlier.record_capture("a", seconds=300 * EAGER_S)
+    for _ in range(SAMPLES):
+        earlier.record_replay("a", EAGER_S / 4)
+    (costly,) = earlier.costly_captures()
+    assert costly.key == "a" and costly.seconds == pytest.approx(300 * EAGER_S)
+    state = exported(earlier)
+
+    later = CapturePolicy()
+    later.import_state(state["calls"], {})
+    later.import_record("a", record_from_values(state["keys"]["a"]))
+    later.begin_run(expected_calls=150)
+    assert CAPTURE not in [see(later, "a") for _ in range(150)]
