@@ -187,8 +187,8 @@ class EncoderGraphManager:
         return [
             f"capturing the {cost.key.path!r} graph of {cost.key.descriptor.num_tokens} tokens "
             f"took {cost.seconds:.2f} s, more than the run's {cost.run_eager_seconds:.2f} s of "
-            "eager tower time (remembered in the plan: a later process captures it only where "
-            "its calls repay that)"
+            "eager tower time (kept with what the rule learned, in the checkpoint and plan: a "
+            "later process captures it only where its calls repay that)"
             for cost in self.policy.costly_captures()
         ]
 
