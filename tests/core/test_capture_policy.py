@@ -77,7 +77,8 @@ def test_a_run_of_known_length_captures_once_its_remaining_calls_repay_the_captu
 
 
 def test_the_first_capture_of_a_tower_is_expected_to_cost_more():
-    # 2 x 5 eager runs: a run of 12 calls no longer repays it, one of 22 does.
+    # 2 x 5 eager runs: at the second sighting a run of 21 calls has 19 left, each
+    # saving half an eager run (9.5 < 10); one of 22 has 20 (10 >= 10).
     assert FIRST_CAPTURE_FACTOR == 2
     short = policy_for(expected_calls=21, captured_before=False)
     see(short, "a", eager_s=0.01)
