@@ -72,7 +72,8 @@ class CapturePolicy:
         self.graphs_fuse_work = False
         #: Keys captured by this policy's tower; its first capture pays the kernels' set-up.
         self._captured = 0
-        #: Keys captured in the current run, with their capture seconds.
+        #: Keys captured in the current run, with their capture seconds (a share of a
+        #: capture of several keys, as ``upfront`` makes).
         self._run_captures: list[tuple[Hashable, float]] = []
         self._keys: dict[Hashable, KeyRecord] = {}
         self._paths: dict[str, PathCosts] = {}
@@ -137,11 +138,12 @@ class CapturePolicy:
         capture seconds; the tower's first capture teaches other keys no capture/eager ratio."""
         first = self._captured == 0
         self._captured += keys
-        self._run_captures.append((key, seconds))
+        per_key = seconds / max(keys, 1)
+        self._run_captures.append((key, per_key))
         record = self._keys.get(key)
         if record is None:
             return
-        record.capture_seconds = seconds / max(keys, 1)
+        record.capture_seconds = per_key
         if record.eager and not first:
             record.capture_ratio = record.capture_seconds / record.eager
 

@@ -486,3 +486,14 @@ def test_a_capture_that_costs_more_than_the_runs_eager_time_is_named():
     assert costly.run_eager_seconds == pytest.approx(0.09)
     policy.begin_run(expected_calls=10)
     assert policy.costly_captures() == []
+
+
+def test_a_capture_of_several_keys_names_each_keys_share():
+    # upfront captures a path's ladder at once: 0.5 s for 10 keys is 50 ms each,
+    # less than the run's 90 ms of eager time, so none is named.
+    policy = policy_for(expected_calls=10)
+    for _ in range(10):
+        see(policy, "a", eager_s=0.01)
+    policy.record_capture("a", 0.5, keys=10)
+    assert policy.costly_captures() == []
+    assert policy.estimates("a")["capture_s"] == pytest.approx(0.05)
