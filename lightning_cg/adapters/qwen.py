@@ -141,7 +141,6 @@ class QwenVisionAdapter(PackedLadders):
                     "the callback"
                 )
         checked = tuple(sorted(options.items()))
-        self._layout(checked)
         self._options_by_name[_patches_name(checked)] = checked
         return QwenInputs(patches, grid_thw, grid, checked, bool(return_dict))
 
@@ -201,7 +200,7 @@ class QwenVisionAdapter(PackedLadders):
             metadata.update({name: buffers[name] for name in ("interp_indices", "interp_weights")})
         with _packed_attention(self._attention_configs):
             output = self._forward(patches, None, options, metadata)
-        return self._layout(options).to_rows(output, rows // self._merge_area)
+        return self._rows_of(output, options, rows // self._merge_area)
 
     def collects_layer_outputs(self, path: str, buffers: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``buffers``' graph collects attentions in a list (compiled blocks recompile)."""
@@ -215,7 +214,7 @@ class QwenVisionAdapter(PackedLadders):
         self._check_path(path)
         output = self._forward(inputs.pixel_patches, inputs.grid_thw, inputs.options, {})
         tokens = sum(t * h * w for t, h, w in inputs.grid) // self._merge_area
-        return self._layout(inputs.options).to_rows(output, tokens)
+        return self._rows_of(output, inputs.options, tokens)
 
     def postprocess(self, outputs: list[dict[str, torch.Tensor]], inputs: QwenInputs) -> Any:
         """The tower's output (``ModelOutput``, or its tuple) of all items in order."""
@@ -243,8 +242,16 @@ class QwenVisionAdapter(PackedLadders):
             self.tower, patches, grid_thw=grid_thw, return_dict=True, **dict(options), **metadata
         )
 
+    def _rows_of(self, output: Any, options: Options, tokens: int) -> torch.Tensor:
+        """``output`` (of ``tokens`` merged tokens) as layout rows; the first output under
+        ``options`` teaches their layout (ValueError for a field it can't split)."""
+        if options not in self._layouts:
+            self._layouts[options] = TokenLayout.of(output, tokens, merge_area=self._merge_area)
+        return self._layouts[options].to_rows(output, tokens)
+
     def _layout(self, options: Options) -> TokenLayout:
-        """The row layout of the output under ``options``, read once off a one-token item."""
+        """The row layout of the output under ``options``: as a forward taught it, else read
+        off a one-token item (a call of no items before any forward)."""
         if options not in self._layouts:
             parameter = next(self.tower.parameters())
             patches = torch.zeros(

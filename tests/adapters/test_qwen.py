@@ -388,6 +388,21 @@ def test_items_come_back_in_order_when_packing_reorders_them():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_first_call_served_eagerly_runs_the_tower_once(kind):
+    # The output layout comes from that call's own output, not from a forward more.
+    tower = tiny_tower(kind)
+    adapter = adapter_for(tower)
+    manager = EncoderGraphManager(adapter, mode="full", budgets=BUDGETS)  # default capture
+    forwards = []
+    tower.blocks[0].register_forward_hook(lambda *_: forwards.append(1))
+    hidden_states, grid_thw = random_batch(4, count=3)
+    actual = graphed(manager, hidden_states, grid_thw, output_hidden_states=True)
+    assert len(forwards) == 1 and manager.stats.hits == 0
+    expected = eager(tower, hidden_states, grid_thw, output_hidden_states=True)
+    assert_outputs_equal(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_an_empty_batch_gives_empty_fields(kind):
     tower = tiny_tower(kind)
     manager = manager_for(tower)
