@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -47,7 +48,13 @@ from lightning_cg.callback.report import (
 from lightning_cg.callback.trainer_runs import total_batches, validation_runs_after
 from lightning_cg.core.dispatcher import GraphMode
 from lightning_cg.engine.binding import CHANGED, TensorBinding, tensor_layouts
-from lightning_cg.engine.config import BudgetConfig, CaptureName, GraphConfig, ModeName
+from lightning_cg.engine.config import (
+    BudgetConfig,
+    CaptureName,
+    GraphConfig,
+    ModeName,
+    weight_copies,
+)
 from lightning_cg.engine.encoder import GraphableEncoder
 from lightning_cg.engine.manager import EncoderGraphManager
 from lightning_cg.engine.parallel import execute_data_parallel
@@ -180,21 +187,33 @@ class CUDAGraphCallback(Callback):
             # _agree_graphs_usable): the new tower runs eagerly through a manager of its own.
             self._tower = tower
             self._binding = self._cleared_layouts = self._eager = None
-            self.manager = self._build_manager(tower)
+            self.manager = self._build_manager(tower, trainer)
             if self._loaded_state is not None:
                 self.manager.load_state_dict(self._loaded_state, "the checkpoint")
                 self._loaded_state = None
+        elif self.manager.weight_casts is not None and not self._weight_copies(trainer):
+            # A fit after runs that made weight copies: they go, with the graphs reading
+            # them; what the capture rule learned stays.
+            learned = self.manager.state_dict()
+            self.manager.clear()
+            self.manager = self._build_manager(tower, trainer)
+            self.manager.load_state_dict(learned, "this callback's earlier runs")
 
     def _build_manager(
-        self, tower: nn.Module, mode: GraphMode | None = None
+        self, tower: nn.Module, trainer: pl.Trainer, mode: GraphMode | None = None
     ) -> EncoderGraphManager:
-        config = self.config
+        config = dataclasses.replace(self.config, cast_weights_per_run=self._weight_copies(trainer))
         if mode is not None:
             # The eager manager learns nothing worth a plan: only the graphing one reads it.
             config = dataclasses.replace(config, mode=mode, plan=None)
         adapter = adapter_for(tower, self.adapter)
         check_config_applies(adapter, config)
         return EncoderGraphManager(adapter, config, self._capture_progress)
+
+    def _weight_copies(self, trainer: pl.Trainer) -> bool:
+        """Whether graphs read weight copies: unless set, not in a fit, where they would hold
+        device memory through every training step."""
+        return weight_copies(self.config, trainer.state.fn == TrainerFn.FITTING)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -262,7 +281,7 @@ class CUDAGraphCallback(Callback):
         if not self._told_cpu and not next(self._tower.parameters(), torch.empty(0)).is_cuda:
             report_cpu_path()
             self._told_cpu = True
-        self._run_manager = self.manager if graphs_usable else self._eager_manager()
+        self._run_manager = self.manager if graphs_usable else self._eager_manager(trainer)
         self._run_manager.begin_run(expected_calls, later_runs)
         tower, manager = self._tower, self._run_manager
         self._swapped = True
@@ -281,11 +300,11 @@ class CUDAGraphCallback(Callback):
             )
         return agreed
 
-    def _eager_manager(self) -> EncoderGraphManager:
+    def _eager_manager(self, trainer: pl.Trainer) -> EncoderGraphManager:
         if self.mode is GraphMode.NONE:
             return self.manager
         if self._eager is None:
-            self._eager = self._build_manager(self._tower, mode=GraphMode.NONE)
+            self._eager = self._build_manager(self._tower, trainer, mode=GraphMode.NONE)
         return self._eager
 
     def _executor(

@@ -178,11 +178,12 @@ class GraphCapturer:
             return CapturedGraph(spec, buffers, run, rules)
         # Warm-ups run the forward for real: whatever they change in the tower is put back.
         state = BufferState(self._tower)
-        with side_stream():
-            cast_dtype = self._warm_up(spec.path, buffers)
         cuda_graph = torch.cuda.CUDAGraph()
-        with self._casts_in(cast_dtype), capturing(), torch.cuda.graph(cuda_graph, pool=pool):
-            output = self.encoder.graph_forward(spec.path, buffers)
+        with cublas_workspaces_dropped():
+            with side_stream():
+                cast_dtype = self._warm_up(spec.path, buffers)
+            with self._casts_in(cast_dtype), capturing(), torch.cuda.graph(cuda_graph, pool=pool):
+                output = self.encoder.graph_forward(spec.path, buffers)
         if changed := state.changed():
             state.restore()
             raise ChangesState(changed)
@@ -285,6 +286,20 @@ def side_stream() -> Iterator[None]:
     with torch.cuda.stream(side):
         yield
     torch.cuda.current_stream().wait_stream(side)
+
+
+@contextlib.contextmanager
+def cublas_workspaces_dropped() -> Iterator[None]:
+    """Drop cuBLAS's workspaces before and after the ``with`` body. cuBLAS keeps one per
+    stream for good: those of the warm-up's side stream and of the capture (taken from the
+    pool) would stay allocated after it. Dropped, the capture's is a free block of the pool
+    its graph still uses, as any activation is (graphs of one pool replay one at a time);
+    the eager stream takes its workspace again from the cache."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 def _replayer(cuda_graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], torch.Tensor]:

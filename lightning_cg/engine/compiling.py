@@ -14,7 +14,7 @@ from lightning_cg.core.stats import GraphStats
 from lightning_cg.engine.call_runner import CallRunner
 from lightning_cg.engine.capture import GraphCapturer
 from lightning_cg.engine.compiled import CompiledEncoder
-from lightning_cg.engine.config import BudgetConfig, GraphConfig
+from lightning_cg.engine.config import BudgetConfig, GraphConfig, weight_copies
 from lightning_cg.engine.plan import PlanRef, use_ladders
 from lightning_cg.engine.weight_casts import weight_casts_for
 
@@ -75,7 +75,7 @@ class CompileLifecycle:
         self._clear()
         self._use_ladders(compiled=False)
         self._capturer.weight_casts = weight_casts_for(
-            self.compiled_encoder, self.config.cast_weights_per_run
+            self.compiled_encoder, weight_copies(self.config)
         )
 
     def _use_ladders(self, compiled: bool) -> None:

@@ -147,6 +147,8 @@ class GraphConfig:
             a batch first needs it, ``upfront`` a path's whole ladder at its first call.
         cast_weights_per_run: under autocast, graphs read low-precision weight copies
             refreshed each run; false: every replay casts (and sees weights changed mid-run).
+            None: copies, except for the callback in a fit, where they would stay allocated
+            through training (see :func:`weight_copies`).
         plan: a JSON file of what the capture rule learned (keys' sightings and times, keys
             sent to eager, capture faults): read when a manager is built, if it exists;
             written at each run's end by the callback and on leaving ``graphed``. None: none.
@@ -160,7 +162,7 @@ class GraphConfig:
     max_frames_per_batch: int | None = None
     compile: bool = False
     capture: CaptureName = "paid_back"
-    cast_weights_per_run: bool = True
+    cast_weights_per_run: bool | None = None
     plan: str | None = None
 
     def __post_init__(self) -> None:
@@ -175,9 +177,9 @@ class GraphConfig:
         set_field(self, "paths", dict(self.paths))
         for name in ("max_items_per_batch", "max_frames_per_batch"):
             _check_positive_int(name, getattr(self, name), none_ok=True)
-        if not isinstance(self.cast_weights_per_run, bool):
+        if not isinstance(self.cast_weights_per_run, bool | None):
             raise ValueError(
-                "cast_weights_per_run must be true or false; "
+                "cast_weights_per_run must be true, false or null; "
                 f"got cast_weights_per_run={self.cast_weights_per_run!r}"
             )
         check_compile(self.compile, self.mode)
@@ -282,3 +284,12 @@ def _as_mapping(choice: Any, field_name: str) -> dict[str, Any]:
             f"{field_name} must be a mapping of {', '.join(BUDGET_FIELDS)}; got {choice!r}"
         )
     return dict(choice)
+
+
+def weight_copies(config: GraphConfig, training_follows: bool = False) -> bool:
+    """Whether graphs read weight copies made once per run (``cast_weights_per_run``):
+    when unset, unless training follows the runs on the same device, whose memory the
+    copies would hold through it."""
+    if config.cast_weights_per_run is None:
+        return not training_follows
+    return config.cast_weights_per_run

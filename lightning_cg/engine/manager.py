@@ -20,7 +20,7 @@ from lightning_cg.engine.call_runner import CallRunner
 from lightning_cg.engine.capture import GraphCapturer, ProgressFn, path_keys
 from lightning_cg.engine.compiled import compiled_encoder_for
 from lightning_cg.engine.compiling import CompileLifecycle
-from lightning_cg.engine.config import BudgetConfig, GraphConfig
+from lightning_cg.engine.config import BudgetConfig, GraphConfig, weight_copies
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.engine.plan import PathPlan, PlanRef, path_budget_choices, plan_paths
 from lightning_cg.engine.replay import autocast_key
@@ -71,7 +71,7 @@ class EncoderGraphManager:
         #: The current plan, replaced as a whole whenever it changes.
         self.plans = PlanRef(plan_paths(encoder, self.config, choices))
         self.cache = GraphCache()
-        weight_casts = weight_casts_for(encoder, self.config.cast_weights_per_run)
+        weight_casts = weight_casts_for(encoder, weight_copies(self.config))
         self.capturer = GraphCapturer(
             encoder, self.config, self.plans, self.cache, self._stats, progress, weight_casts
         )

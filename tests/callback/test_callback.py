@@ -288,7 +288,7 @@ def test_compiled_tower_is_left_alone_with_a_warning():
         ({"adapter": torch.nn.Linear(2, 2)}, "got adapter=a Linear module$"),
         ({"stages": "validate"}, "stages must be a non-empty list"),
         ({"keep_graphs": "no"}, "keep_graphs must be true or false"),
-        ({"cast_weights_per_run": "no"}, "cast_weights_per_run must be true or false"),
+        ({"cast_weights_per_run": "no"}, "cast_weights_per_run must be true, false or null"),
         ({"capture": "always"}, "capture must be one of paid_back, first_use"),
         ({"budgets": {"budgets": [64.9, 128]}}, "budgets"),
         ({"budgets": "pow2"}, "budgets must be a mapping"),

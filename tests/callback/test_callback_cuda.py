@@ -155,3 +155,45 @@ def test_graphs_captured_counts_this_runs_captures_after_an_earlier_run_captured
     second = callback.last_stats["graphs_captured"]
     assert first > 0 and second > 0
     assert second == callback.last_stats["graphs"] - graphs_after_first
+
+
+#: Wide enough that bf16 copies of its weights (25 MiB) would show in training's peak.
+WIDE_VIT = dict(
+    image_size=32, patch_size=8, num_layers=4, num_heads=8, hidden_dim=512, mlp_dim=2048
+)
+
+
+class TrainingPeaks(Callback):
+    """Peak allocated device memory of each training step after the first validation."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.validated = False
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validated = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.validated:
+            self.peaks.append(torch.cuda.max_memory_allocated())
+
+
+def training_peak(*callbacks) -> int:
+    torch.manual_seed(0)
+    net = VisionClassifier(build_tower("vit_b_16", **WIDE_VIT), num_classes=4)
+    peaks = TrainingPeaks()
+    data = FakeDataModule(num_items=32, batch_size=8, image_size=32, num_classes=4)
+    trainer(*callbacks, peaks, max_epochs=3, precision="bf16-mixed").fit(net, data)
+    return max(peaks.peaks)
+
+
+def test_held_graphs_leave_a_fits_training_memory_as_without_them():
+    # Without the callback first: what a run leaves allocated would count in the next.
+    without = training_peak()
+    callback = CUDAGraphCallback(capture="first_use")  # the default weight copies
+    with_graphs = training_peak(callback)
+    assert callback.manager.is_captured() and callback.last_stats["hits"] > 0
+    assert with_graphs - without <= max(0.01 * without, 16 * 2**20)
