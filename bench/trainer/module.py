@@ -127,6 +127,8 @@ class RunRecord:
         first_call_s: seconds of the run's first tower call (None without calls):
             what a run pays once shows here, apart from the calls that follow.
         median_call_s: the median seconds of the run's tower calls (None without calls).
+        peak_mib: peak device memory allocated during the run, in MiB (None off CUDA):
+            what the graphs hold plus the run's own activations.
     """
 
     tower_s: float
@@ -137,6 +139,7 @@ class RunRecord:
     stats: dict[str, float] = field(default_factory=dict)
     first_call_s: float | None = None
     median_call_s: float | None = None
+    peak_mib: float | None = None
 
 
 class RunClock(pl.Callback):
@@ -180,6 +183,8 @@ class RunClock(pl.Callback):
         pl_module.tower_seconds, pl_module.tower_calls = 0.0, 0
         pl_module.tower_call_seconds = []
         _synchronize(pl_module.device)
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._started = time.perf_counter()
 
     def _end(self, pl_module: UserModule) -> None:
@@ -187,6 +192,8 @@ class RunClock(pl.Callback):
         record = RunRecord(
             pl_module.tower_seconds, time.perf_counter() - self._started, pl_module.tower_calls
         )
+        if pl_module.device.type == "cuda":
+            record.peak_mib = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
         calls = pl_module.tower_call_seconds
         if calls:
             record.first_call_s, record.median_call_s = calls[0], statistics.median(calls)

@@ -57,6 +57,10 @@ EXTRA_KEYS = (
     "eager_median_call_s",
     "callback_median_call_s",
     "compile_median_call_s",
+    # predict rows: peak device memory allocated during the run, MiB (CUDA only)
+    "eager_peak_mib",
+    "callback_peak_mib",
+    "compile_peak_mib",
 )
 #: Extra fields of fit rows: per-epoch figures and the whole fit's wall time.
 FIT_KEYS = (
@@ -154,6 +158,7 @@ def _predict_row(row: dict[str, Any], by_method: Mapping[str, PredictRun]) -> di
         row[f"{method}_wall_s"] = result.call_s
         row[f"{method}_first_call_s"] = result.record.first_call_s
         row[f"{method}_median_call_s"] = result.record.median_call_s
+        row[f"{method}_peak_mib"] = result.record.peak_mib
         if eager is not None and method != EAGER:
             row[f"{method}_max_abs_diff"] = max_abs_difference(result.outputs, eager.outputs)
             row[f"{method}_max_rel_diff"] = max(
@@ -317,6 +322,9 @@ def describe(row: Mapping[str, Any]) -> str:
     calls = [_calls_ms(row, method) for method in (EAGER, CALLBACK, COMPILE)]
     if any(calls):
         parts.append("calls (first / median): " + ", ".join(filter(None, calls)))
+    peaks = [row.get(f"{method}_peak_mib") for method in (EAGER, CALLBACK)]
+    if all(peaks):
+        parts.append("peak MiB eager/callback {:.0f}/{:.0f}".format(*peaks))
     if row.get("graphs_captured") is not None:
         parts.append(f"{row['graphs_captured']:.0f} graphs, {row['capture_s']:.2f} s capture")
         compiling = (row.get("callback_stats") or {}).get("compile_seconds_run")

@@ -78,6 +78,19 @@ def test_a_run_clock_records_the_first_and_the_median_tower_call():
     clock.on_predict_start(None, module)
     clock.on_predict_end(None, module)  # a run without tower calls
     assert clock.records[1].first_call_s is None and clock.records[1].median_call_s is None
+    assert record.peak_mib is None  # measured on CUDA only
+
+
+def test_predict_rows_carry_each_methods_peak_memory():
+    def runs_peaking_at(peak_mib: float) -> dict[str, PredictRun]:
+        record = RunRecord(0.5, 0.6, 10, 0, 0.0, peak_mib=peak_mib)
+        return {"first": PredictRun(record, 0.6, []), "second": PredictRun(record, 0.6, [])}
+
+    repeats = {"eager": [runs_peaking_at(193.0)], "callback": [runs_peaking_at(448.5)]}
+    first, _ = predict_rows("vit_b_16/batch_8", 10, 80, repeats)
+    assert (first["eager_peak_mib"], first["callback_peak_mib"]) == (193.0, 448.5)
+    assert first["compile_peak_mib"] is None
+    assert "peak MiB eager/callback 193/448" in describe(first)
 
 
 def test_predict_rows_carry_each_methods_first_and_median_call():
