@@ -193,7 +193,7 @@ def training_peak(*callbacks) -> int:
 def test_held_graphs_leave_a_fits_training_memory_as_without_them():
     # Without the callback first: what a run leaves allocated would count in the next.
     without = training_peak()
-    callback = CUDAGraphCallback(capture="first_use")  # the default weight copies
+    callback = CUDAGraphCallback(capture="first_use")  # cast_weights_per_run: its default
     with_graphs = training_peak(callback)
     assert callback.manager.is_captured() and callback.last_stats["hits"] > 0
     assert with_graphs - without <= max(0.01 * without, 16 * 2**20)
