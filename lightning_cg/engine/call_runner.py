@@ -14,15 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cg.core.capture_policy import CapturePolicy
-from lightning_cg.core.stats import GraphStats
-from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
+from lightning_cg.engine.cache import CapturedGraph, GraphKey, GraphSet
 from lightning_cg.engine.call_timer import CallTimer
 from lightning_cg.engine.capture import GraphCapturer
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
 from lightning_cg.engine.outputs import CallOutputs
-from lightning_cg.engine.plan import PlanRef
 from lightning_cg.engine.replay import (
     autocast_key,
     check_tolerance,
@@ -32,6 +29,7 @@ from lightning_cg.engine.replay import (
 )
 from lightning_cg.engine.replay_checks import BufferState
 from lightning_cg.engine.routing import Route, Router, SubBatch
+from lightning_cg.engine.state import EngineState
 
 
 class CallRunner:
@@ -41,19 +39,14 @@ class CallRunner:
         self,
         encoder: GraphableEncoder,
         config: GraphConfig,
-        plans: PlanRef,
-        cache: GraphCache,
+        state: EngineState,
         capturer: GraphCapturer,
-        policy: CapturePolicy,
-        stats: GraphStats,
     ) -> None:
         self.encoder = encoder
-        self.plans = plans
-        self.path_names = tuple(plans.plan.paths)
-        self.policy = policy
-        self.stats = stats
+        self.state = state
+        self.path_names = tuple(state.plan.paths)
         self.timer = CallTimer()
-        self.router = Router(config, plans, cache, capturer, policy, stats, self.timer)
+        self.router = Router(config, state, capturer, self.timer)
         tower = getattr(encoder, "tower", None)
         #: The module whose buffers a checked replay's eager call must leave as they were.
         self._tower = tower if isinstance(tower, nn.Module) else None
@@ -70,23 +63,23 @@ class CallRunner:
         call = CallOutputs(len(specs))
         sub_batch = self._sub_batch(inputs, list(range(len(specs))), specs)
         self._run_eagerly(call, sub_batch)
-        self.stats.sub_batches += 1
+        self.state.stats.sub_batches += 1
         for path in self.path_names:
             if any(sub_batch.tokens(path)):
-                self.stats.count_eager(reason)
+                self.state.stats.count_eager(reason)
         return call
 
     def run(self, inputs: Any, specs: list[ItemSpec]) -> CallOutputs:
         """Route each sub-batch, replay its graphs, then run what is eager as one call."""
-        self.policy.called()
+        self.state.policy.called()
         self.timer.collect()
         graph_set = GraphSet(self.encoder.graph_signature(inputs), autocast_key())
         call = CallOutputs(len(specs))
         eager_items: list[int] = []
         eager_routes: list[Route] = []
-        for planned in self.plans.plan.call_plan(graph_set, specs):
+        for planned in self.state.plan.call_plan(graph_set, specs):
             sub_batch = self._sub_batch(inputs, planned.indices, specs)
-            self.stats.sub_batches += 1
+            self.state.stats.sub_batches += 1
             routes = [self.router.route(path_route, sub_batch) for path_route in planned.routes]
             if all(route.eager for route in routes):
                 # Eager sub-batches run together below: one eager call, not one each.
@@ -125,7 +118,7 @@ class CallRunner:
         for route in routes:
             if route.key is not None and route.tokens:
                 key_tokens[route.key] = key_tokens.get(route.key, 0) + route.tokens
-        timed = {k: n for k, n in key_tokens.items() if self.policy.wants_eager_timing(k)}
+        timed = {k: n for k, n in key_tokens.items() if self.state.policy.wants_eager_timing(k)}
         if not timed:
             self._run_eagerly(call, sub_batch)
             return
@@ -140,7 +133,7 @@ class CallRunner:
         """One path of a sub-batch whose other paths replay, eagerly; timed while its key's
         eager time is still learned (else a key first seen beside a graph never captures)."""
         key, tokens = route.key, route.tokens
-        if key is None or not self.policy.wants_eager_timing(key):
+        if key is None or not self.state.policy.wants_eager_timing(key):
             rows = self._eager(path, sub_batch)
         else:
             record = self._eager_recorder({key: tokens}, {path: tokens}, tokens)
@@ -157,10 +150,10 @@ class CallRunner:
 
         def record(seconds: float) -> None:
             for key, tokens in key_tokens.items():
-                self.policy.record_eager(key, seconds * tokens / total, tokens)
+                self.state.policy.record_eager(key, seconds * tokens / total, tokens)
             for path, tokens in path_tokens.items():
                 if tokens:
-                    self.policy.record_eager_call(path, tokens, seconds * tokens / total)
+                    self.state.policy.record_eager_call(path, tokens, seconds * tokens / total)
 
         return record
 
@@ -169,33 +162,35 @@ class CallRunner:
         items = len(sub_batch.indices)
         padded = padding(graph, total, items)
         # A checked replay starts from saved buffers and an idle GPU, to time it apart.
-        state = self._before_check() if graph.checks.due(padded) else None
+        saved = self._before_check() if graph.checks.due(padded) else None
         started = time.perf_counter()
-        if self.policy.wants_graph_timing(key):
-            with self.timer.timed(lambda seconds: self.policy.record_replay(key, seconds)) as t:
+        policy = self.state.policy
+        if policy.wants_graph_timing(key):
+            with self.timer.timed(lambda seconds: policy.record_replay(key, seconds)) as t:
                 rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total, items)
                 t.on_cuda = rows.is_cuda
         else:
             rows, launch_seconds = replay(graph, self.encoder, sub_batch.inputs, total, items)
         host_seconds = time.perf_counter() - started
         served = rows
-        if state is None:
+        if saved is None:
             graph.checks.replayed()
         else:
-            served = self._checked(route, path, sub_batch, padded, rows, state, started)
+            served = self._checked(route, path, sub_batch, padded, rows, saved, started)
         if served is rows:
             # Counted once served: a replay that raised or lost its check is no hit.
-            self.stats.hits += 1
-            self.stats.real_tokens += total
-            self.stats.padded_tokens += key.descriptor.num_tokens - total
-            self.stats.host_seconds += host_seconds
-            self.stats.launch_seconds += launch_seconds
+            stats = self.state.stats
+            stats.hits += 1
+            stats.real_tokens += total
+            stats.padded_tokens += key.descriptor.num_tokens - total
+            stats.host_seconds += host_seconds
+            stats.launch_seconds += launch_seconds
         call.add(path, sub_batch.indices, served, sub_batch.tokens(path))
 
     def _before_check(self) -> BufferState:
-        state = BufferState(self._tower)
+        saved = BufferState(self._tower)
         _synchronize()
-        return state
+        return saved
 
     def _checked(
         self,
@@ -204,7 +199,7 @@ class CallRunner:
         sub_batch: SubBatch,
         padded: frozenset[str],
         rows: torch.Tensor,
-        state: BufferState,
+        saved: BufferState,
         started: float,
     ) -> torch.Tensor:
         """The same items run eagerly from the buffers the replay saw, and compared.
@@ -217,14 +212,15 @@ class CallRunner:
         graph = route.graph
         _synchronize()
         replayed = time.perf_counter()
-        state.restore()
+        saved.restore()
         eager = self._eager(path, sub_batch)
-        changed = state.changed()
+        changed = saved.changed()
         error = None if changed else replay_error(rows, eager)
         checked = time.perf_counter()
-        self.stats.checked_replays += 1
-        self.stats.checked_tokens += route.tokens
-        self.stats.check_seconds += checked - replayed
+        stats = self.state.stats
+        stats.checked_replays += 1
+        stats.checked_tokens += route.tokens
+        stats.check_seconds += checked - replayed
         if changed:
             self._serve_eagerly(route, "changes_state", changes_state_message(self._tower, changed))
             return eager
@@ -237,7 +233,7 @@ class CallRunner:
             return rows
         where = f"path {path!r}, budget {graph.spec.token_budget}"
         if self.on_compiled_mismatch is not None:
-            self.stats.count_eager("compiled_mismatch")
+            self.state.stats.count_eager("compiled_mismatch")
             self.on_compiled_mismatch(
                 f"the compiled graph of {where} differs from eager by relative error {error:.3e}"
             )
@@ -251,7 +247,7 @@ class CallRunner:
 
     def _serve_eagerly(self, route: Route, reason: str, message: str) -> None:
         self.router.serve_eagerly(route.key, reason)
-        self.stats.count_eager(reason)
+        self.state.stats.count_eager(reason)
         warnings.warn(message, stacklevel=3)
 
     def _eager(self, path: str, sub_batch: SubBatch) -> torch.Tensor:

@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from lightning_cg.core.stats import GraphStats
-from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey, GraphSet
+from lightning_cg.engine.cache import CapturedGraph, GraphKey, GraphSet
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import CaptureSpec, GraphableEncoder
 from lightning_cg.engine.faults import (
@@ -32,9 +31,10 @@ from lightning_cg.engine.faults import (
     free_device_memory,
 )
 from lightning_cg.engine.memory import graph_memory
-from lightning_cg.engine.plan import PathPlan, PlanRef
+from lightning_cg.engine.plan import PathPlan
 from lightning_cg.engine.replay import graph_context
 from lightning_cg.engine.replay_checks import BufferState
+from lightning_cg.engine.state import EngineState
 from lightning_cg.engine.weight_casts import WeightCasts
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,7 @@ class GraphCapturer:
         self,
         encoder: GraphableEncoder,
         config: GraphConfig,
-        plans: PlanRef,
-        cache: GraphCache,
-        stats: GraphStats,
+        state: EngineState,
         progress: ProgressFn | None = None,
         weight_casts: WeightCasts | None = None,
     ) -> None:
@@ -67,9 +65,7 @@ class GraphCapturer:
         # The dtypes whose copies a warm-up found to agree with autocast.
         self._casts_agree: set[torch.dtype] = set()
         self.config = config
-        self.plans = plans
-        self.cache = cache
-        self.stats = stats
+        self.state = state
         self.progress = progress
         self.padding_rules = encoder.graph_config().padding_rules
         tower = getattr(encoder, "tower", None)
@@ -82,19 +78,19 @@ class GraphCapturer:
     def capture(self, keys: Sequence[GraphKey]) -> float:
         """Capture those of ``keys`` not captured nor ruled out; returns the seconds it took."""
         started = time.perf_counter()
-        stats = self.stats
-        graphs_before = self.cache.num_cuda_graphs
+        stats = self.state.stats
+        graphs_before = self.state.cache.num_cuda_graphs
         with graph_context():
             self._capture_recovering(list(keys))
-        if self.cache.has_pool:
+        if self.state.cache.has_pool:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         # Without a pool no graph was captured (a CPU tower's buffers only): the stats say 0.
-        if self.cache.has_pool:
+        if self.state.cache.has_pool:
             stats.capture_seconds += seconds
             stats.capture_seconds_run += seconds
-        stats.graphs_captured += max(0, self.cache.num_cuda_graphs - graphs_before)
-        stats.graphs = self.cache.num_cuda_graphs
+        stats.graphs_captured += max(0, self.state.cache.num_cuda_graphs - graphs_before)
+        stats.graphs = self.state.cache.num_cuda_graphs
         # Read from the allocator when the stats are read: a snapshot walks every block.
         self.memory_stale = True
         return seconds
@@ -103,9 +99,9 @@ class GraphCapturer:
         """Set the stats' memory fields to what the graphs hold now: the whole pool (not a
         capture's growth: captures share it and reuse its free blocks), the input buffers
         outside it and the weight copies."""
-        stats = self.stats
+        stats = self.state.stats
         stats.weight_copy_bytes = 0 if self.weight_casts is None else self.weight_casts.nbytes
-        memory = graph_memory(self.cache)
+        memory = graph_memory(self.state.cache)
         stats.pool_bytes = memory.pool_bytes
         stats.held_bytes = memory.pool_bytes + memory.input_bytes + stats.weight_copy_bytes
         self.memory_stale = False
@@ -125,10 +121,10 @@ class GraphCapturer:
             if fault.kind == OUT_OF_MEMORY:
                 budget = key.descriptor.num_tokens
                 out_of_memory.setdefault(key.path, []).append(budget)
-                plan = self.plans.plan.paths[key.path].below(budget)
-                self.plans.update(key.path, plan)
+                plan = self.state.plan.paths[key.path].below(budget)
+                self.state.update(key.path, plan)
                 # Graphs of every signature at the dropped budgets are of no use any more.
-                self.cache.drop([key.path], from_budget=0 if plan.eager_reason else budget)
+                self.state.cache.drop([key.path], from_budget=0 if plan.eager_reason else budget)
             else:
                 self._run_eagerly(key.path, fault)
             free_device_memory()
@@ -138,11 +134,11 @@ class GraphCapturer:
     def _still_wanted(self, keys: list[GraphKey]) -> list[GraphKey]:
         """Keys not captured whose path still graphs their budget, largest first (smaller
         graphs reuse the pool blocks of larger ones)."""
-        paths = self.plans.plan.paths
+        paths = self.state.plan.paths
         wanted = [
             key
             for key in keys
-            if key not in self.cache
+            if key not in self.state.cache
             and paths[key.path].eager_reason is None
             and key.descriptor.num_tokens in paths[key.path].budgets
         ]
@@ -153,7 +149,7 @@ class GraphCapturer:
         On a fault this call's graphs are dropped, freeing their memory for the retry."""
         captured: list[GraphKey] = []
         for done, key in enumerate(keys, start=1):
-            plan = self.plans.plan
+            plan = self.state.plan
             spec = plan.paths[key.path].capture_spec(
                 key.path, key.descriptor, key.graph_set.signature, plan.max_items
             )
@@ -161,31 +157,31 @@ class GraphCapturer:
                 graph = self._capture_one(spec)
             except Exception as error:
                 fault = diagnose(error) or capture_failed(error)
-                self.cache.remove(captured)
+                self.state.cache.remove(captured)
                 return key, fault
-            self.cache.add(key, graph)
+            self.state.cache.add(key, graph)
             captured.append(key)
             if self.progress is not None:
                 self.progress(done, len(keys), spec)
         return None
 
     def _capture_one(self, spec: CaptureSpec) -> CapturedGraph:
-        buffers = self.cache.share_buffers(spec, self.encoder.capture_inputs(spec))
-        pool = self.cache.pool() if any(b.is_cuda for b in buffers.values()) else None
+        buffers = self.state.cache.share_buffers(spec, self.encoder.capture_inputs(spec))
+        pool = self.state.cache.pool() if any(b.is_cuda for b in buffers.values()) else None
         rules = self.padding_rules
         if pool is None:
             run = functools.partial(self.encoder.graph_forward, spec.path, buffers)
             return CapturedGraph(spec, buffers, run, rules)
         # Warm-ups run the forward for real: whatever they change in the tower is put back.
-        state = BufferState(self._tower)
+        saved = BufferState(self._tower)
         cuda_graph = torch.cuda.CUDAGraph()
         with cublas_workspaces_dropped():
             with side_stream():
                 cast_dtype = self._warm_up(spec.path, buffers)
             with self._casts_in(cast_dtype), capturing(), torch.cuda.graph(cuda_graph, pool=pool):
                 output = self.encoder.graph_forward(spec.path, buffers)
-        if changed := state.changed():
-            state.restore()
+        if changed := saved.changed():
+            saved.restore()
             raise ChangesState(changed)
         run = _replayer(cuda_graph, output)
         return CapturedGraph(spec, buffers, run, rules, cuda_graph=cuda_graph, output=output)
@@ -236,8 +232,8 @@ class GraphCapturer:
         return self.weight_casts.swapped_in(dtype)
 
     def _run_eagerly(self, path: str, fault: CaptureFault) -> None:
-        self.plans.update(path, self.plans.plan.paths[path].eager(str(fault)))
-        self.cache.drop([path])
+        self.state.update(path, self.state.plan.paths[path].eager(str(fault)))
+        self.state.cache.drop([path])
         _warn(
             f"EncoderGraphManager: capturing path {path!r} failed: {fault.cause} "
             f"({fault.error}). Fix: {fault.fix}. Path {path!r} runs eagerly."
@@ -246,18 +242,18 @@ class GraphCapturer:
     def stop_capturing(self, fault: CaptureFault) -> None:
         """Every path eager from now on, after an error no fallback is known for."""
         self.capture_error = str(fault)
-        paths = self.plans.plan.paths
-        self.plans.plan = self.plans.plan.with_paths(
+        paths = self.state.plan.paths
+        self.state.plan = self.state.plan.with_paths(
             {path: plan.eager(self.capture_error) for path, plan in paths.items()}
         )
-        self.cache.drop(list(paths))
+        self.state.cache.drop(list(paths))
         _warn(
             f"EncoderGraphManager: capturing graphs failed: {fault.error}; every path runs "
             "eagerly from now on."
         )
 
     def _warn_out_of_memory(self, path: str, budgets: list[int]) -> None:
-        plan = self.plans.plan.paths[path]
+        plan = self.state.plan.paths[path]
         if plan.eager_reason is not None:
             outcome = f"path {path!r} runs eagerly"
         else:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from lightning_cg.core.capture_policy import CapturePolicy
-from lightning_cg.core.stats import GraphStats
 from lightning_cg.engine.call_runner import CallRunner
 from lightning_cg.engine.capture import GraphCapturer
 from lightning_cg.engine.compiled import CompiledEncoder
 from lightning_cg.engine.config import BudgetConfig, GraphConfig, weight_copies
-from lightning_cg.engine.plan import PlanRef, use_ladders
+from lightning_cg.engine.plan import use_ladders
+from lightning_cg.engine.state import EngineState
 from lightning_cg.engine.weight_casts import weight_casts_for
 
 
@@ -27,10 +26,10 @@ class CompileLifecycle:
 
     Args:
         compiled: the compiling wrapper of the adapter, which the parts capture.
-        plans: the current plan, whose ladders compiled graphs refine.
+        state: the manager's state: its plan, whose ladders compiled graphs refine; its
+            capture policy, told whether graphs fuse work; its stats (compile seconds).
         budget_choices: each path's budget choice, which the ladders come from.
         capturer: holds the weight copies uncompiled graphs read.
-        capture_policy: told whether graphs fuse work.
         runner: checks compiled graphs' first replays against eager.
         clear: drops every graph, buffer and the pool.
     """
@@ -39,21 +38,17 @@ class CompileLifecycle:
         self,
         compiled: CompiledEncoder,
         config: GraphConfig,
-        stats: GraphStats,
-        plans: PlanRef,
+        state: EngineState,
         budget_choices: Mapping[str, BudgetConfig],
         capturer: GraphCapturer,
-        capture_policy: CapturePolicy,
         runner: CallRunner,
         clear: Callable[[], None],
     ) -> None:
         self.compiled_encoder = compiled
         self.config = config
-        self.stats = stats
-        self._plans = plans
+        self._state = state
         self._budget_choices = budget_choices
         self._capturer = capturer
-        self._capture_policy = capture_policy
         self._runner = runner
         self._clear = clear
         #: Compiling was given up: the next call restores the uncompiled plans.
@@ -63,7 +58,7 @@ class CompileLifecycle:
         # Plan for compiled graphs (no weight copies: their dtype would recompile).
         self._use_ladders(compiled=True)
         capturer.weight_casts = None
-        capture_policy.graphs_fuse_work = True
+        state.policy.graphs_fuse_work = True
         runner.on_compiled_mismatch = self._stop_compiling
 
     def before_call(self) -> None:
@@ -82,9 +77,9 @@ class CompileLifecycle:
         """The ladders of compiled (finer) or uncompiled graphs, where one compile serves
         every budget (dynamic shapes)."""
         if not self.compiled_encoder.static_shapes:
-            use_ladders(
+            self._state.plan = use_ladders(
                 self.compiled_encoder,
-                self._plans,
+                self._state.plan,
                 self._budget_choices,
                 self.config.max_items_per_batch,
                 compiled,
@@ -99,9 +94,10 @@ class CompileLifecycle:
         """Graphs are uncompiled from now on. The uncompiled plans come back at the next
         call: a failed compile is met inside a capture, where plans must not change."""
         self._runner.on_compiled_mismatch = None
-        self._capture_policy.graphs_fuse_work = False
+        self._state.policy.graphs_fuse_work = False
         self._uncompiled_plans_due = True
 
     def _count_compile_seconds(self, seconds: float) -> None:
-        self.stats.compile_seconds += seconds
-        self.stats.compile_seconds_run += seconds
+        stats = self._state.stats
+        stats.compile_seconds += seconds
+        stats.compile_seconds_run += seconds

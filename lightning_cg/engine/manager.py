@@ -1,8 +1,10 @@
 """EncoderGraphManager: run a tower through graphs at token budgets, eager elsewhere.
 
-A façade over parts with one job each: the plan (:mod:`~lightning_cg.engine.plan`), the
-cache, the capture policy, the capturer, compiled capture, the call runner and the stats.
-Without CUDA the same path runs without capture.
+A façade over parts with one job each (the capturer, the call runner and its router,
+compiled capture, what outlives the process) that read and change one run-time state
+the manager owns (:class:`~lightning_cg.engine.state.EngineState`: plan, graph cache,
+capture policy, keys sent to eager, stats). Without CUDA the same path runs without
+capture.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from lightning_cg.engine.compiled import compiled_encoder_for
 from lightning_cg.engine.compiling import CompileLifecycle
 from lightning_cg.engine.config import BudgetConfig, GraphConfig, weight_copies
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.engine.plan import PathPlan, PlanRef, path_budget_choices, plan_paths
+from lightning_cg.engine.plan import PathPlan, path_budget_choices, plan_paths
 from lightning_cg.engine.replay import autocast_key
 from lightning_cg.engine.run_state import RunState, read_plan, write_plan
+from lightning_cg.engine.state import EngineState
 from lightning_cg.engine.weight_casts import WeightCasts, weight_casts_for
 
 __all__ = ["BudgetConfig", "EncoderGraphManager", "GraphConfig", "GraphStats"]
@@ -57,7 +60,6 @@ class EncoderGraphManager:
             )
         self.config = GraphConfig.from_config_or_options(config, options)
         self.mode = self.config.mode
-        self._stats = GraphStats()
         # Adapters that build their output from each path's rows skip the per-item split.
         self._postprocess_joined = getattr(encoder, "postprocess_joined", None)
         #: The compiling wrapper of the adapter, which the parts capture (None uncompiled).
@@ -68,38 +70,32 @@ class EncoderGraphManager:
         encoder = self.encoder = self.compiled_encoder or encoder
         self.encoder_config = encoder.graph_config()
         choices = path_budget_choices(self.encoder_config, self.config)
-        #: The current plan, replaced as a whole whenever it changes.
-        self.plans = PlanRef(plan_paths(encoder, self.config, choices))
-        self.cache = GraphCache()
+        #: The run-time state every part reads and changes: plan, graphs, capture rule,
+        #: keys sent to eager, stats.
+        self.state = EngineState(
+            plan_paths(encoder, self.config, choices),
+            policy=CapturePolicy(first_use=self.config.capture in ("first_use", "upfront")),
+        )
         weight_casts = weight_casts_for(encoder, weight_copies(self.config))
-        self.capturer = GraphCapturer(
-            encoder, self.config, self.plans, self.cache, self._stats, progress, weight_casts
-        )
-        self.policy = CapturePolicy(first_use=self.config.capture in ("first_use", "upfront"))
-        self.runner = CallRunner(
-            encoder, self.config, self.plans, self.cache, self.capturer, self.policy, self._stats
-        )
+        self.capturer = GraphCapturer(encoder, self.config, self.state, progress, weight_casts)
+        self.runner = CallRunner(encoder, self.config, self.state, self.capturer)
         #: Compiled capture's plans and how it ends (None uncompiled).
         self.compiling = None
         if self.compiled_encoder is not None:
             self.compiling = CompileLifecycle(
                 self.compiled_encoder,
                 self.config,
-                self._stats,
-                self.plans,
+                self.state,
                 choices,
                 self.capturer,
-                self.policy,
                 self.runner,
                 self.clear,
             )
         compiled = self.compiled_encoder is not None
         #: What the capture rule learned, kept across processes (``state_dict``).
         self.run_state = RunState(
-            self.policy,
+            self.state,
             self.runner.router,
-            self.plans,
-            self.cache,
             self._tower,
             self.compiled_encoder.encoder if compiled else encoder,
             compiled,
@@ -115,7 +111,17 @@ class EncoderGraphManager:
         memory is read from the allocator when a capture changed it."""
         if self.capturer.memory_stale:
             self.capturer.refresh_memory()
-        return self._stats
+        return self.state.stats
+
+    @property
+    def cache(self) -> GraphCache:
+        """The captured graphs, by key."""
+        return self.state.cache
+
+    @property
+    def policy(self) -> CapturePolicy:
+        """The capture rule and what it learned."""
+        return self.state.policy
 
     @property
     def capture_error(self) -> str | None:
@@ -130,25 +136,25 @@ class EncoderGraphManager:
     @property
     def paths(self) -> Mapping[str, PathPlan]:
         """Each path's current plan."""
-        return self.plans.plan.paths
+        return self.state.plan.paths
 
     @property
     def max_items(self) -> int:
         """The most items of one sub-batch."""
-        return self.plans.plan.max_items
+        return self.state.plan.max_items
 
     def begin_run(self, expected_calls: int | None = None, later_runs: int | None = None) -> None:
         """Start a run: zero the run counters, tell the capture policy the calls to expect
         and the runs like it known to follow (None: unknown), and refresh the weight copies."""
-        self._stats.reset_run()
-        self.policy.begin_run(expected_calls, later_runs)
+        self.state.stats.reset_run()
+        self.state.policy.begin_run(expected_calls, later_runs)
         self.run_state.begin_run()
         if self.weight_casts is not None:
             self.weight_casts.refresh()
 
     def is_captured(self) -> bool:
         """Whether any graph has been captured (or, without CUDA, prepared)."""
-        return len(self.cache) > 0
+        return len(self.state.cache) > 0
 
     def clear(self, keep_timings: bool = False) -> None:
         """Drop every graph, buffer and the pool; keys are captured again when they pay.
@@ -158,14 +164,14 @@ class EncoderGraphManager:
             keep_timings: the same graphs would come back (the tower unchanged): keep what
                 their replays measured, so a graph measured slower than eager stays eager.
         """
-        self.cache.clear()
+        self.state.cache.clear()
         if self.weight_casts is not None:
             self.weight_casts.clear()
         self.runner.forget_graphs()
         if not keep_timings:
-            self.policy.forget_graphs()
+            self.state.policy.forget_graphs()
             self.run_state.forget_graphs()
-        self._stats.graphs = 0
+        self.state.stats.graphs = 0
         self.capturer.refresh_memory()
 
     def state_dict(self) -> dict[str, Any]:
@@ -189,7 +195,7 @@ class EncoderGraphManager:
             f"took {cost.seconds:.2f} s, more than the run's {cost.run_eager_seconds:.2f} s of "
             "eager tower time (kept with what the rule learned, in the checkpoint and plan: a "
             "later process captures it only where its calls repay that)"
-            for cost in self.policy.costly_captures()
+            for cost in self.state.policy.costly_captures()
         ]
 
     def write_plan(self) -> None:
@@ -244,6 +250,7 @@ class EncoderGraphManager:
 
     def _counted_specs(self, inputs: Any) -> list[ItemSpec]:
         specs = self.encoder.item_specs(inputs)
-        self._stats.items += len(specs)
-        self._stats.tokens += sum(spec.output_tokens for spec in specs)
+        stats = self.state.stats
+        stats.items += len(specs)
+        stats.tokens += sum(spec.output_tokens for spec in specs)
         return specs

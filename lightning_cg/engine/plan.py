@@ -1,8 +1,8 @@
 """The plan: each path's budgets and dispatcher, the item cap, and each call's plan.
 
 A :class:`Plan` is immutable: what changes it (a capture fault, compiling) puts a new one
-in the manager's :class:`PlanRef`. It remembers the call plan (sub-batches and keys) of
-every call shape it has seen; those go with it.
+in the manager's :class:`~lightning_cg.engine.state.EngineState`. It remembers the call
+plan (sub-batches and keys) of every call shape it has seen; those go with it.
 """
 
 from __future__ import annotations
@@ -191,19 +191,6 @@ class Plan:
         return GraphKey(graph_set, path, found)
 
 
-class PlanRef:
-    """The manager's current plan, which the parts that change it replace as a whole."""
-
-    __slots__ = ("plan",)
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-
-    def update(self, path: str, plan: PathPlan) -> None:
-        """Plan ``path`` by ``plan`` from now on."""
-        self.plan = self.plan.with_paths({**self.plan.paths, path: plan})
-
-
 def path_budget_choices(
     encoder_config: EncoderGraphConfig, config: GraphConfig
 ) -> dict[str, BudgetConfig]:
@@ -251,20 +238,24 @@ def compiled_choice(choice: BudgetConfig) -> BudgetConfig:
 
 def use_ladders(
     encoder: GraphableEncoder,
-    ref: PlanRef,
+    plan: Plan,
     choices: Mapping[str, BudgetConfig],
     user_max_items: int | None,
     compiled: bool,
-) -> None:
-    """Give each path its choice's ladder, refined by :func:`compiled_choice` when
-    ``compiled``, within the budgets it kept (dropped for memory stays dropped)."""
-    for path, plan in ref.plan.paths.items():
+) -> Plan:
+    """``plan`` with each path given its choice's ladder, refined by :func:`compiled_choice`
+    when ``compiled``, within the budgets it kept (dropped for memory stays dropped)."""
+    laddered = {}
+    for path, path_plan in plan.paths.items():
         refined = compiled_choice(choices[path])
-        if refined is choices[path] or plan.eager_reason is not None:
+        if refined is choices[path] or path_plan.eager_reason is not None:
             continue
         choice = refined if compiled else choices[path]
         budgets, _ = resolve_path(encoder, path, choice, user_max_items)
-        ref.update(path, plan.with_budgets([b for b in budgets if b <= plan.budgets[-1]]))
+        top = path_plan.budgets[-1]
+        laddered[path] = path_plan.with_budgets([b for b in budgets if b <= top])
+    # Unchanged, the plan keeps the call plans it remembers.
+    return plan.with_paths({**plan.paths, **laddered}) if laddered else plan
 
 
 def plan_paths(

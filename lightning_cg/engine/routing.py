@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from lightning_cg.core.capture_policy import CAPTURE, NO_GAIN, CapturePolicy
-from lightning_cg.core.stats import GraphStats
-from lightning_cg.engine.cache import CapturedGraph, GraphCache, GraphKey
+from lightning_cg.core.capture_policy import CAPTURE, NO_GAIN
+from lightning_cg.engine.cache import CapturedGraph, GraphKey
 from lightning_cg.engine.call_timer import CallTimer
 from lightning_cg.engine.capture import GraphCapturer, path_keys
 from lightning_cg.engine.config import GraphConfig
 from lightning_cg.engine.encoder import GraphableEncoder, ItemSpec
-from lightning_cg.engine.plan import PathRoute, PlanRef
+from lightning_cg.engine.plan import PathRoute
+from lightning_cg.engine.state import EngineState
 
 
 class SubBatch:
@@ -73,57 +73,41 @@ class Router:
     """Decides each path's route, capturing a key when the capture policy says it pays."""
 
     def __init__(
-        self,
-        config: GraphConfig,
-        plans: PlanRef,
-        cache: GraphCache,
-        capturer: GraphCapturer,
-        policy: CapturePolicy,
-        stats: GraphStats,
-        timer: CallTimer,
+        self, config: GraphConfig, state: EngineState, capturer: GraphCapturer, timer: CallTimer
     ) -> None:
         self.config = config
-        self.plans = plans
-        self.cache = cache
+        self.state = state
         self.capturer = capturer
-        self.policy = policy
-        self.stats = stats
         self.timer = timer
-        #: Keys a checked replay sent to eager for good, and why (an ``eager_*`` reason).
-        self._eager_keys: dict[GraphKey, str] = {}
         #: Called with each key at its first sighting, before the policy counts it (a
         #: loaded state's records join there); None while no loaded record waits.
         self.on_first_sighting: Callable[[GraphKey], None] | None = None
         self._sighted: set[GraphKey] = set()
 
-    @property
-    def eager_keys(self) -> dict[GraphKey, str]:
-        """The keys served eagerly for good, and why."""
-        return dict(self._eager_keys)
-
     def serve_eagerly(self, key: GraphKey, reason: str) -> None:
         """Run ``key`` eagerly from now on, counted as ``eager_{reason}`` (its graph stays
         until the cache is cleared)."""
-        self._eager_keys[key] = reason
+        self.state.eager_keys[key] = reason
 
     def route(self, planned: PathRoute, sub_batch: SubBatch) -> Route:
         """How the planned path of ``sub_batch`` runs: its graph, or eagerly and why (counted)."""
         key, total = planned.key, planned.total
+        stats = self.state.stats
         if key is None:
             if planned.reason == "misses":
-                self.stats.misses += 1
+                stats.misses += 1
             elif planned.reason:
-                self.stats.count_eager(planned.reason)
+                stats.count_eager(planned.reason)
             return Route(tokens=total)
         if self.on_first_sighting is not None and key not in self._sighted:
             self._first_sighting(key)
-        self.policy.sighted(key, key.path, key.descriptor.num_tokens, total)
+        self.state.policy.sighted(key, key.path, key.descriptor.num_tokens, total)
         key, graph, reason = self._graph_for(key, sub_batch)
         if graph is None:
             if reason:
-                self.stats.count_eager(reason)
+                stats.count_eager(reason)
             else:
-                self.stats.misses += 1
+                stats.misses += 1
         return Route(key=key, graph=graph, tokens=total)
 
     def _graph_for(
@@ -131,35 +115,36 @@ class Router:
     ) -> tuple[GraphKey | None, CapturedGraph | None, str]:
         """The key that serves ``key``'s sub-batch and its graph, captured now if the policy
         says it pays; else why not ("" for a path a capture fault turned eager)."""
-        if (reason := self._eager_keys.get(key)) is not None:
+        state = self.state
+        if (reason := state.eager_keys.get(key)) is not None:
             return key, None, reason
-        graph = self.cache.get(key)
+        graph = state.cache.get(key)
         if graph is not None:
-            if self.policy.slower_than_eager(key):
+            if state.policy.slower_than_eager(key):
                 return key, None, "measured_slower"
             return key, graph, ""
         # Only finished timings: waiting for the rest would stall the host behind the GPU.
         self.timer.collect()
-        decision = self.policy.decide(key)
+        decision = state.policy.decide(key)
         if decision != CAPTURE:
             return key, None, "policy" if decision == NO_GAIN else "no_graph_yet"
         self._capture_key(key)
         # A fault may have changed the plan: look again, and capture the key it gives.
         tokens = sub_batch.tokens(key.path)
         frames = sum(spec.num_frames for spec in sub_batch.specs)
-        rekey = self.plans.plan.key(key.graph_set, key.path, tokens, frames)
+        rekey = state.plan.key(key.graph_set, key.path, tokens, frames)
         if rekey is None:
-            return None, None, self.plans.plan.no_key_reason(key.path, sum(tokens))
+            return None, None, state.plan.no_key_reason(key.path, sum(tokens))
         if rekey != key:
             # The key the new plan gives serves from now on: its sightings and times count.
             if self.on_first_sighting is not None and rekey not in self._sighted:
                 self._first_sighting(rekey)
-            self.policy.sighted(rekey, rekey.path, rekey.descriptor.num_tokens, sum(tokens))
-            if rekey not in self.cache:
+            state.policy.sighted(rekey, rekey.path, rekey.descriptor.num_tokens, sum(tokens))
+            if rekey not in state.cache:
                 self._capture_key(rekey)
-        graph = self.cache.get(rekey)
+        graph = state.cache.get(rekey)
         if graph is None:
-            return rekey, None, self.plans.plan.no_key_reason(key.path, sum(tokens))
+            return rekey, None, state.plan.no_key_reason(key.path, sum(tokens))
         return rekey, graph, ""
 
     def _first_sighting(self, key: GraphKey) -> None:
@@ -167,16 +152,17 @@ class Router:
         self.on_first_sighting(key)
 
     def _capture_key(self, key: GraphKey) -> None:
+        state = self.state
         if self.config.capture == "upfront":
-            keys = path_keys(key.graph_set, key.path, self.plans.plan.paths[key.path])
+            keys = path_keys(key.graph_set, key.path, state.plan.paths[key.path])
         else:
             keys = [key]
-        compile_before = self.stats.compile_seconds
-        held_before = sum(k in self.cache for k in keys)
+        compile_before = state.stats.compile_seconds
+        held_before = sum(k in state.cache for k in keys)
         seconds = self.capturer.capture(keys)
         # Compiling is paid once per path (or budget), not by each further key.
-        seconds -= self.stats.compile_seconds - compile_before
-        captured = sum(k in self.cache for k in keys) - held_before
+        seconds -= state.stats.compile_seconds - compile_before
+        captured = sum(k in state.cache for k in keys) - held_before
         if captured > 0:
             # A capture that faulted teaches no capture cost.
-            self.policy.record_capture(key, seconds, keys=captured)
+            state.policy.record_capture(key, seconds, keys=captured)

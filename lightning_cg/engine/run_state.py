@@ -1,10 +1,11 @@
 """What a manager's capture rule learned, as plain values that outlive the process.
 
-:class:`RunState` gathers it (``state_dict``): the capture policy's records by key
-identity, the keys sent to eager and why, the faults that changed paths' plans, and the
-fingerprint of what was measured. A state of another fingerprint, or one that cannot be
-read, is ignored with one warning. Loaded records join the policy when their key is
-first sighted (keys hold adapter signatures, which only a call rebuilds).
+:class:`RunState` reads it from the manager's
+:class:`~lightning_cg.engine.state.EngineState` (``state_dict``): the capture policy's
+records by key identity, the keys sent to eager and why, the faults that changed paths'
+plans, and the fingerprint of what was measured. A state of another fingerprint, or one
+that cannot be read, is ignored with one warning. Loaded records join the policy when
+their key is first sighted (keys hold adapter signatures, which only a call rebuilds).
 """
 
 from __future__ import annotations
@@ -22,17 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cg.core.capture_policy import CapturePolicy
 from lightning_cg.core.key_records import KeyRecord
 from lightning_cg.core.record_values import (
     path_costs_from_values,
     record_from_values,
     record_values,
 )
-from lightning_cg.engine.cache import GraphCache, GraphKey
+from lightning_cg.engine.cache import GraphKey
 from lightning_cg.engine.encoder import GraphableEncoder
-from lightning_cg.engine.plan import PlanRef
 from lightning_cg.engine.routing import Router
+from lightning_cg.engine.state import EngineState
 
 #: The layout of a state; another one is ignored.
 FORMAT = 1
@@ -178,23 +178,19 @@ class RunState:
 
     def __init__(
         self,
-        policy: CapturePolicy,
+        state: EngineState,
         router: Router,
-        plans: PlanRef,
-        cache: GraphCache,
         tower: nn.Module | None,
         adapter: GraphableEncoder,
         compiled: bool,
     ) -> None:
-        self._policy = policy
+        self._state = state
         self._router = router
-        self._plans = plans
-        self._cache = cache
         self._tower = tower
         self._adapter = adapter
         self._compiled = compiled
         #: Each path's largest budget as planned: a smaller one was dropped for memory.
-        self._planned_tops = {path: plan.budgets[-1] for path, plan in plans.plan.paths.items()}
+        self._planned_tops = {path: plan.budgets[-1] for path, plan in state.plan.paths.items()}
         #: Loaded records and eager keys whose key has not been sighted yet, by identity.
         self._records: dict[str, KeyRecord] = {}
         self._eager_keys: dict[str, str] = {}
@@ -214,10 +210,10 @@ class RunState:
 
     def state_dict(self) -> dict[str, Any]:
         """What the capture rule learned, in JSON's types (see :class:`RunState`)."""
-        learned = self._policy.export_state(key_identity)
+        learned = self._state.policy.export_state(key_identity)
         keys = {name: record_values(r) for name, r in self._records.items()} | learned["keys"]
         eager_keys = dict(self._eager_keys)
-        for key, reason in self._router.eager_keys.items():
+        for key, reason in self._state.eager_keys.items():
             if (name := key_identity(key)) is not None:
                 eager_keys[name] = reason
         for name in learned["slower"]:
@@ -250,7 +246,7 @@ class RunState:
                 f"{'; another '.join(differences)}. Every key is learned anew"
             )
             return False
-        self._policy.import_state(loaded.calls, loaded.paths)
+        self._state.policy.import_state(loaded.calls, loaded.paths)
         for name, record in loaded.records.items():
             self._records.setdefault(name, record)
         for name, reason in loaded.eager_keys.items():
@@ -265,7 +261,7 @@ class RunState:
         name = key_identity(key)
         record = self._records.pop(name, None)
         if record is not None:
-            self._policy.import_record(key, record)
+            self._state.policy.import_record(key, record)
         if (reason := self._eager_keys.pop(name, None)) in CHECK_VERDICTS:
             self._router.serve_eagerly(key, reason)
         if not self._records and not self._eager_keys:
@@ -285,7 +281,7 @@ class RunState:
     def _faults(self) -> dict[str, dict[str, Any]]:
         """The paths a capture fault made eager, or whose larger budgets ran out of memory."""
         faults = {}
-        for path, plan in self._plans.plan.paths.items():
+        for path, plan in self._state.plan.paths.items():
             top = plan.budgets[-1]
             if plan.eager_reason is not None or top < self._planned_tops[path]:
                 dropped = top < self._planned_tops[path]
@@ -298,21 +294,21 @@ class RunState:
     def _apply_faults(self, faults: Mapping[str, tuple], source: str) -> None:
         applied = []
         for path, (eager_reason, max_budget) in faults.items():
-            plan = self._plans.plan.paths.get(path)
+            plan = self._state.plan.paths.get(path)
             if plan is None or plan.eager_reason is not None:
                 continue
             if eager_reason is not None:
                 plan = plan.eager(eager_reason)
-                self._cache.drop([path])
+                self._state.cache.drop([path])
                 applied.append(f"path {path!r} runs eagerly ({eager_reason})")
             elif max_budget is not None and plan.budgets[-1] > max_budget:
                 dropped = min(budget for budget in plan.budgets if budget > max_budget)
                 plan = plan.below(dropped)
-                self._cache.drop([path], from_budget=dropped)
+                self._state.cache.drop([path], from_budget=dropped)
                 applied.append(f"path {path!r} keeps budgets up to {max_budget} (out of memory)")
             else:
                 continue
-            self._plans.update(path, plan)
+            self._state.update(path, plan)
         if applied:
             _warn(
                 f"the plan of {source} holds capture faults of an earlier run: "

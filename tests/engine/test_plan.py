@@ -26,7 +26,7 @@ def toy_call(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def call_plan(manager: EncoderGraphManager, lengths: list[int]):
     inputs = manager.encoder.inputs_from_call(toy_call(lengths), {})
     graph_set = GraphSet(manager.encoder.graph_signature(inputs))
-    return manager.plans.plan.call_plan(graph_set, manager.encoder.item_specs(inputs))
+    return manager.state.plan.call_plan(graph_set, manager.encoder.item_specs(inputs))
 
 
 def test_a_call_shape_is_planned_once_per_plan():
@@ -45,7 +45,7 @@ def test_a_plan_cannot_be_changed_in_place():
     with pytest.raises(dataclasses.FrozenInstanceError):
         manager.paths["local"].budgets = (8,)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        manager.plans.plan.max_items = 1
+        manager.state.plan.max_items = 1
 
 
 def test_a_fault_replaces_the_plan_and_the_next_call_is_planned_anew():
@@ -54,7 +54,7 @@ def test_a_fault_replaces_the_plan_and_the_next_call_is_planned_anew():
         tower, lambda spec: (spec.path, spec.token_budget) == ("local", 32), out_of_memory
     )
     manager = EncoderGraphManager(encoder, budgets=LADDER, capture="first_use")
-    before = manager.plans.plan
+    before = manager.state.plan
     planned = call_plan(manager, [30])
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -102,7 +102,7 @@ def test_a_plan_remembers_a_bounded_number_of_call_shapes(monkeypatch):
     monkeypatch.setattr(plan_module, "MAX_CALL_PLANS", 3)
     manager = EncoderGraphManager(ToyEncoder(ToyTower().eval()), budgets=LADDER)
     plans = [call_plan(manager, [length]) for length in range(1, 9)]
-    assert len(manager.plans.plan._calls) <= 3 and len(manager.plans.plan._keys) <= 3
+    assert len(manager.state.plan._calls) <= 3 and len(manager.state.plan._keys) <= 3
     # Forgotten shapes are planned again, as before.
     assert call_plan(manager, [1]) == plans[0] and call_plan(manager, [8]) == plans[-1]
 

@@ -194,7 +194,7 @@ def test_a_key_measured_slower_is_listed_with_why():
     (record,) = manager.state_dict()["keys"].values()
     assert manager.state_dict()["eager_keys"] == {}
     signature = manager.encoder.graph_signature(manager.encoder.inputs_from_call((x,), {}))
-    key = manager.plans.plan.key(GraphSet(signature, autocast_key()), "image", [1] * 4, 4)
+    key = manager.state.plan.key(GraphSet(signature, autocast_key()), "image", [1] * 4, 4)
     eager_seconds = record["eager_seconds_per_token"][0] * 4
     for _ in range(3):
         manager.policy.record_replay(key, 10 * eager_seconds)
