@@ -2,10 +2,12 @@
 
     python scripts/capture_phases.py vit_b_16 --batch 8
     python scripts/capture_phases.py resnet50 --batch 8 --no-weight-copies
+    python scripts/capture_phases.py resnet50 --batch 16 --sides 224 256 288 320
 
 Builds a torchvision tower with random weights, runs it eagerly a few times at one
-batch of random images (so eager's own first-use costs are paid), then serves it through
-``graphed(tower, capture="first_use")`` and prints, per call, the time of each stage
+batch of random images per side (so eager's own first-use costs are paid), then serves it
+through one ``graphed(tower, capture="first_use")``, side after side (a later side's
+capture is a tower's later capture at a new shape), and prints, per call, the time of each stage
 with a synchronize on either side: the adapter's graph forwards (the warm-ups: without
 weight copies, then with them on a tower's first capture), entering the capture, the
 whole capture, the replay, the eager run of a checked replay and its comparison.
@@ -78,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tower", help="a torchvision.models builder, e.g. vit_b_16, resnet50")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--calls", type=int, default=4, help="graphed calls to time")
+    parser.add_argument("--calls", type=int, default=4, help="graphed calls to time per side")
+    parser.add_argument("--sides", type=int, nargs="+", default=[224], help="image sides")
     parser.add_argument(
         "--no-weight-copies", action="store_true", help="cast_weights_per_run=False"
     )
@@ -86,20 +89,22 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("capture_phases.py needs a CUDA GPU")
     tower = getattr(torchvision.models, args.tower)(weights=None).cuda().eval()
-    images = torch.randn(args.batch, 3, 224, 224, device="cuda")
+    batches = {side: torch.randn(args.batch, 3, side, side, device="cuda") for side in args.sides}
     copies = not args.no_weight_copies
     instrument()
     with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16):
-        eager = [milliseconds(lambda: tower(images)) for _ in range(6)]
         print(f"{args.tower} batch {args.batch}, weight copies {copies}")
-        print("  eager ms", " ".join(f"{ms:.2f}" for ms in eager))
+        for side, images in batches.items():
+            eager = [milliseconds(functools.partial(tower, images)) for _ in range(6)]
+            print(f"  side {side} eager ms", " ".join(f"{ms:.2f}" for ms in eager))
         allocated = torch.cuda.memory_allocated()
         with graphed(tower, capture="first_use", cast_weights_per_run=copies) as served:
-            for call in range(args.calls):
-                STAGES.clear()
-                total = milliseconds(lambda: tower(images))
-                stages = " ".join(f"{stage}={ms:.2f}" for stage, ms in STAGES)
-                print(f"  call {call}: {total:.2f} ms: {stages}")
+            for side, images in batches.items():
+                for call in range(args.calls):
+                    STAGES.clear()
+                    total = milliseconds(functools.partial(tower, images))
+                    stages = " ".join(f"{stage}={ms:.2f}" for stage, ms in STAGES)
+                    print(f"  side {side} call {call}: {total:.2f} ms: {stages}")
             stats = served.stats
             grown = (torch.cuda.memory_allocated() - allocated) / 2**20
             held = {
