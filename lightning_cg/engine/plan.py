@@ -63,9 +63,8 @@ class PathPlan:
     def capture_spec(
         self, path: str, desc: BatchDescriptor, signature: object, max_items: int
     ) -> CaptureSpec:
-        """The static shape of the graph of one key: a relaxed key holds up to
-        ``max_items`` items, and no more than its tokens (each item has one at least)."""
-        items = desc.num_items or min(max_items, desc.num_tokens)
+        """The static shape of the graph of one key."""
+        items = desc.num_items or max_items
         frames = self.graph_frames(desc, max_items)
         return CaptureSpec(path, desc.num_tokens, items, frames, signature)
 
